@@ -1,0 +1,279 @@
+"""Coding-agent rewards: apply a policy's patch to a task and run its required tests, isolated.
+
+Order, each step inside the sandbox unless noted: (host) build the fresh base snapshot and
+reject patches touching protected paths → upload → check the interpreter runs pytest →
+setup command → strict `git apply` of the policy patch → restore the task's test files and
+remove files the test patch creates → apply the test patch → run the tests with the report
+written outside the repository under a per-run name → parse the report, cross-check the
+runner's exit status, require every required test PASSED.
+
+Reward 1 only then. Policy outcomes (patch does not apply, protected path, failures,
+timeout, output cap, missing or forged report) give 0. Failures of the environment (no
+isolation, interpreter cannot run pytest, setup or test patch fails, bad task) give status
+`infra_error` and no reward, never 0: training on them would punish the policy for our faults.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+
+from sandboxes.base import ExecResult, Sandbox, SandboxSpec
+from sandboxes.errors import InvalidTask, SandboxError
+from sandboxes.parsers import ReportParser, ReportUnreadable, TestOutcome, TestReport, get_parser
+from sandboxes.protection import added_paths, patch_paths, protected_violations
+from sandboxes.snapshot import build_snapshot
+from sandboxes.task import Task
+
+log = logging.getLogger(__name__)
+
+SandboxFactory = Callable[[SandboxSpec], Sandbox]
+SCORER_DIR = "scorer"
+REPORT_DIR = "report"
+PYTEST_EXIT_OK, PYTEST_EXIT_TESTS_FAILED = 0, 1
+
+
+class ScoreStatus(StrEnum):
+    PASS = "pass"
+    FAIL = "fail"
+    INFRA_ERROR = "infra_error"
+
+
+@dataclass
+class ScoreResult:
+    """The verdict. `reward` is None exactly when `status` is INFRA_ERROR."""
+
+    task_id: str
+    status: ScoreStatus
+    reward: int | None
+    reason: str
+    tests: dict[str, str] = field(default_factory=dict)
+    output_tail: str = ""
+    isolation: str = ""
+    duration_s: float = 0.0
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "task_id": self.task_id,
+            "status": self.status.value,
+            "reward": self.reward,
+            "reason": self.reason,
+            "tests": self.tests,
+            "isolation": self.isolation,
+            "duration_s": round(self.duration_s, 3),
+        }
+
+
+class _Verdict(Exception):
+    """Internal: stops scoring early with a result."""
+
+    def __init__(self, status: ScoreStatus, reason: str, run: ExecResult | None = None) -> None:
+        super().__init__(reason)
+        self.status, self.reason, self.run = status, reason, run
+
+
+def _fail(reason: str, run: ExecResult | None = None) -> _Verdict:
+    return _Verdict(ScoreStatus.FAIL, reason, run)
+
+
+def _infra(reason: str, run: ExecResult | None = None) -> _Verdict:
+    return _Verdict(ScoreStatus.INFRA_ERROR, reason, run)
+
+
+def default_sandbox_factory(spec: SandboxSpec) -> Sandbox:
+    from sandboxes.local import LocalSandbox
+
+    return LocalSandbox(spec)
+
+
+def score(
+    task: Task,
+    patch: str,
+    *,
+    sandbox_factory: SandboxFactory | None = None,
+    python: str | None = None,
+) -> ScoreResult:
+    """Score one policy patch against one task; see the module docstring for the rules."""
+    started = time.monotonic()
+    factory = sandbox_factory or default_sandbox_factory
+    result = ScoreResult(task.id, ScoreStatus.INFRA_ERROR, None, "")
+    try:
+        _score_into(result, task, patch, factory, python)
+    except _Verdict as verdict:
+        result.status, result.reason = verdict.status, verdict.reason
+        result.reward = 0 if verdict.status is ScoreStatus.FAIL else None
+        if verdict.run is not None:
+            result.output_tail = _tail(verdict.run)
+    except (SandboxError, OSError) as error:
+        result.status, result.reward = ScoreStatus.INFRA_ERROR, None
+        result.reason = f"{type(error).__name__}: {error}"
+    result.duration_s = time.monotonic() - started
+    log.info(
+        "task %s scored %s (%s): %s", task.id, result.status.value, result.reward, result.reason
+    )
+    return result
+
+
+def _score_into(
+    result: ScoreResult, task: Task, patch: str, factory: SandboxFactory, python: str | None
+) -> None:
+    parser = get_parser(task.parser)
+    touched = patch_paths(patch)
+    if patch.strip() and not touched:
+        raise _fail("the patch names no files; it is not a unified diff")
+    violations = protected_violations(task, touched)
+    if violations:
+        raise _fail(f"the patch touches protected paths: {', '.join(violations)}")
+    with tempfile.TemporaryDirectory(prefix="tether-snapshot-") as scratch:
+        snapshot = Path(scratch) / "repo"
+        try:
+            build_snapshot(task.repo, task.base_commit, snapshot)
+        except InvalidTask as error:
+            raise _infra(str(error)) from None
+        spec = SandboxSpec(
+            memory_mib=task.memory_mib,
+            timeout_s=task.timeout_s,
+            network=False,
+            python=python or task.python or SandboxSpec().python,
+            extra_dirs=(SCORER_DIR, REPORT_DIR),
+            hidden_paths=(str(task.repo),),
+        )
+        with factory(spec) as sandbox:
+            result.isolation = sandbox.isolation
+            sandbox.upload_tree(snapshot)
+            _run_in(sandbox, spec, result, task, patch, parser)
+
+
+def _run_in(
+    sandbox: Sandbox,
+    spec: SandboxSpec,
+    result: ScoreResult,
+    task: Task,
+    patch: str,
+    parser: ReportParser,
+) -> None:
+    python = spec.python
+    probe = sandbox.exec([python, "-c", "import pytest"], timeout_s=120)
+    if not probe.ok:
+        raise _infra(f"interpreter {python} cannot import pytest in the sandbox", probe)
+    if task.setup_command:
+        setup = sandbox.exec(task.setup_command, timeout_s=task.setup_timeout_s)
+        if not setup.ok:
+            raise _infra(f"the task's setup command failed ({setup.describe()})", setup)
+    scorer = sandbox.dir(SCORER_DIR)
+    if patch.strip():
+        sandbox.write_file(f"{scorer}/policy.diff", patch.encode())
+        applied = _git_apply(sandbox, f"{scorer}/policy.diff")
+        if not applied.ok:
+            raise _fail(f"the patch does not apply with git apply ({applied.describe()})", applied)
+    if task.test_patch.strip():
+        _restore_test_files(sandbox, task)
+        sandbox.write_file(f"{scorer}/test.diff", task.test_patch.encode())
+        applied = _git_apply(sandbox, f"{scorer}/test.diff")
+        if not applied.ok:
+            raise _infra(f"the task's test patch does not apply ({applied.describe()})", applied)
+    nonce = secrets.token_hex(16)
+    report_path = f"{sandbox.dir(REPORT_DIR)}/{nonce}.xml"
+    # No entry-point plugins: faster, and nothing installed can rewrite reports behind us.
+    # A task that needs a plugin names it in test_args (`-p pytest_timeout`).
+    run = sandbox.exec(
+        _test_command(task, python, report_path, nonce),
+        env={"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"},
+        timeout_s=task.timeout_s,
+    )
+    result.output_tail = _tail(run)
+    if run.timed_out:
+        raise _fail(f"the tests did not finish within {task.timeout_s:g} s", run)
+    if run.output_limited:
+        raise _fail("the tests printed more than the output cap and were killed", run)
+    try:
+        report = parser.parse(sandbox.read_file(report_path))
+    except FileNotFoundError:
+        raise _fail(f"the test run wrote no report ({run.describe()})", run) from None
+    except ReportUnreadable as error:
+        raise _fail(f"the test report is unreadable: {error}", run) from None
+    _judge(result, task, report, run, nonce)
+
+
+def _git_apply(sandbox: Sandbox, diff_path: str) -> ExecResult:
+    # Strict: no --3way, no --reject, no fuzzy `patch` fallback (which follows symlinks).
+    check = sandbox.exec(["git", "apply", "--check", diff_path], timeout_s=120)
+    if not check.ok:
+        return check
+    return sandbox.exec(["git", "apply", diff_path], timeout_s=120)
+
+
+def _restore_test_files(sandbox: Sandbox, task: Task) -> None:
+    created = added_paths(task.test_patch)
+    existing = sorted(patch_paths(task.test_patch) - created)
+    if created:
+        done = sandbox.exec(["rm", "-rf", "--", *sorted(created)], timeout_s=60)
+        if not done.ok:
+            raise _infra(f"could not remove files the test patch creates: {done.describe()}")
+    if existing:
+        done = sandbox.exec(["git", "checkout", "HEAD", "--", *existing], timeout_s=60)
+        if not done.ok:
+            raise _infra(f"could not restore the task's test files: {done.describe()}")
+
+
+def _test_command(task: Task, python: str, report_path: str, nonce: str) -> list[str]:
+    if task.test_command:
+        fill = {"{python}": python, "{report}": report_path, "{nonce}": nonce}
+        return [fill.get(arg, arg) for arg in task.test_command]
+    return [
+        python,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "no:randomly",
+        "-o",
+        "junit_family=xunit1",
+        "-o",
+        "junit_logging=no",
+        "-o",
+        f"junit_suite_name={nonce}",
+        f"--junitxml={report_path}",
+        "--rootdir=.",
+        "--confcutdir=.",
+        *task.test_args,
+    ]
+
+
+def _judge(
+    result: ScoreResult, task: Task, report: TestReport, run: ExecResult, nonce: str
+) -> None:
+    if report.suite_name != nonce:
+        raise _fail(
+            "the test report does not carry this run's nonce; it was not written by it", run
+        )
+    if run.exit_code not in (PYTEST_EXIT_OK, PYTEST_EXIT_TESTS_FAILED):
+        raise _fail(f"the test runner ended abnormally ({run.describe()})", run)
+    if (run.exit_code == PYTEST_EXIT_OK) == report.has_failures:
+        raise _fail(
+            f"the report and the runner's exit code {run.exit_code} disagree; treating as forged",
+            run,
+        )
+    missing = object()
+    for test_id in task.required:
+        outcome = report.outcomes.get(test_id, missing)
+        result.tests[test_id] = outcome.value if isinstance(outcome, TestOutcome) else "missing"
+    not_passed = [t for t, o in result.tests.items() if o != TestOutcome.PASSED.value]
+    if not_passed:
+        shown = ", ".join(f"{t} ({result.tests[t]})" for t in not_passed[:5])
+        raise _fail(f"{len(not_passed)} required test(s) did not pass: {shown}", run)
+    result.status, result.reward = ScoreStatus.PASS, 1
+    result.reason = f"all {len(task.required)} required tests passed"
+
+
+def _tail(run: ExecResult, size: int = 2000) -> str:
+    text = (run.stdout + b"\n" + run.stderr).decode(errors="replace").strip()
+    return text[-size:]

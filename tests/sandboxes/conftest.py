@@ -1,0 +1,42 @@
+"""Fixtures of the sandbox tests: a real example repository, and a clean process table."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from sandboxes.example import ExampleTask, make_example_task
+from sandboxes.settings import SandboxSettings
+
+
+def _leftovers() -> list[psutil.Process]:
+    settings = SandboxSettings()
+    lease_uids = range(settings.uid_first, settings.uid_first + settings.uid_count)
+    found = list(psutil.Process().children(recursive=True))
+    if os.geteuid() == 0:
+        for proc in psutil.process_iter(["uids"]):
+            uids = proc.info["uids"]
+            if uids is not None and uids.real in lease_uids:
+                found.append(proc)
+    return [p for p in found if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+@pytest.fixture(autouse=True)
+def process_table_stays_clean():
+    """Every sandbox test must leave no process of ours or of a sandbox uid behind."""
+    yield
+    deadline = time.monotonic() + 5
+    left = _leftovers()
+    while left and time.monotonic() < deadline:
+        psutil.wait_procs(left, timeout=0.2)
+        left = _leftovers()
+    assert not left, f"processes left behind: {[(p.pid, p.cmdline()) for p in left]}"
+
+
+@pytest.fixture
+def example(tmp_path: Path) -> ExampleTask:
+    return make_example_task(tmp_path)

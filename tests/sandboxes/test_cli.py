@@ -1,0 +1,64 @@
+"""`tether sandbox` and `tether bench sandbox` as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from sandboxes.example import ExampleTask
+
+TETHER = [sys.executable, "-m", "deploy"]
+
+
+def tether(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*TETHER, *args], capture_output=True, text=True, timeout=300)
+
+
+def test_score_prints_the_reward_and_exits_zero(example: ExampleTask, tmp_path: Path):
+    patch = tmp_path / "gold.diff"
+    patch.write_text(example.gold_patch)
+    done = tether(
+        "sandbox", "score", "--task", str(example.task_path), "--patch", str(patch), "--json"
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["reward"] == 1
+
+
+def test_score_rejects_a_bad_task_file_without_a_traceback(tmp_path: Path):
+    task = tmp_path / "task.json"
+    task.write_text('{"id": "x"}')
+    done = tether("sandbox", "score", "--task", str(task), "--patch", "/dev/null")
+    assert done.returncode == 2
+    assert "invalid" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_score_exits_three_on_an_infrastructure_failure(example: ExampleTask, tmp_path: Path):
+    patch = tmp_path / "gold.diff"
+    patch.write_text(example.gold_patch)
+    done = tether(
+        "sandbox",
+        "score",
+        "--task",
+        str(example.task_path),
+        "--patch",
+        str(patch),
+        "--python",
+        "/nonexistent/python",
+    )
+    assert done.returncode == 3
+    assert "infrastructure failure" in done.stderr
+
+
+def test_check_reports_the_isolation_level():
+    done = tether("sandbox", "check")
+    assert done.returncode == 0 and "bwrap" in done.stdout
+
+
+def test_the_benchmark_runs_at_a_tiny_size_and_ends_with_its_json_line():
+    done = tether("bench", "sandbox", "--tasks", "2", "--repeats", "1")
+    assert done.returncode == 0, done.stderr
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    assert figures["unexpected_rewards"] == 0
+    assert figures["tasks_per_minute"] > 0 and figures["isolation_overhead_ratio"] > 0

@@ -1,0 +1,58 @@
+"""Paths named by a diff are found however git spells them, and protected ones are flagged."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sandboxes.protection import added_paths, patch_paths, protected_violations
+from sandboxes.task import Task
+
+RENAMES = """diff --git a/src/old.py b/src/new.py
+similarity index 90%
+rename from src/old.py
+rename to src/new.py
+diff --git "a/sp ace/\\303\\251.py" "b/sp ace/\\303\\251.py"
+--- "a/sp ace/\\303\\251.py"
++++ "b/sp ace/\\303\\251.py"
+@@ -1 +1 @@
+-a
++b
+diff --git a/tests/test_new.py b/tests/test_new.py
+new file mode 100644
+--- /dev/null
++++ b/tests/test_new.py
+@@ -0,0 +1 @@
++x
+"""
+
+
+def test_patch_paths_cover_renames_quoted_names_and_new_files():
+    assert patch_paths(RENAMES) == {"src/old.py", "src/new.py", "sp ace/é.py", "tests/test_new.py"}
+    assert added_paths(RENAMES) == {"tests/test_new.py"}
+
+
+def test_plain_unified_diffs_without_git_headers_are_understood():
+    plain = "--- a/pkg/m.py\t2020-01-01\n+++ b/pkg/m.py\t2020-01-01\n@@ -1 +1 @@\n-a\n+b\n"
+    assert patch_paths(plain) == {"pkg/m.py"}
+
+
+def test_protected_paths_include_test_files_runner_hooks_and_task_globs():
+    task = Task(
+        id="t",
+        repo=Path("."),
+        base_commit="abcd",
+        fail_to_pass=["tests/test_a.py::test_x"],
+        test_patch=RENAMES,
+        protected_paths=["docs/*"],
+    )
+    touched = {
+        "src/fix.py",
+        "tests/test_a.py",
+        "tests/test_new.py",
+        "deep/conftest.py",
+        "pyproject.toml",
+        "x.pth",
+        "docs/a.md",
+        ".git/config",
+    }
+    assert protected_violations(task, touched) == sorted(touched - {"src/fix.py"})

@@ -1,0 +1,288 @@
+"""Scoring real patches against a real repository: rewards are right and attacks score 0."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from sandboxes.errors import InvalidTask
+from sandboxes.example import OPS_BUGGY, OPS_FIXED, ExampleTask, diff_of, git, make_example_task
+from sandboxes.scoring import ScoreStatus, score
+from sandboxes.task import load_task
+
+FAST = {"timeout_s": 20}
+
+
+def ops_with(prelude: str, add_body: str = "return a - b") -> str:
+    """calc/ops.py with code run at import and a replacement body for add()."""
+    return prelude + "\n" + OPS_BUGGY.replace("return a - b", add_body, 1)
+
+
+def score_change(example: ExampleTask, changes: dict[str, str], **task_update):
+    patch = diff_of(example.repo, changes)
+    task = example.task().model_copy(update=task_update)
+    return score(task, patch)
+
+
+def assert_zero(result, reason_part: str) -> None:
+    assert result.status is ScoreStatus.FAIL, result.reason
+    assert result.reward == 0
+    assert reason_part in result.reason, result.reason
+
+
+def test_correct_patch_scores_one(example: ExampleTask):
+    result = score(example.task(), example.gold_patch)
+    assert result.status is ScoreStatus.PASS and result.reward == 1, result.reason
+    assert set(result.tests.values()) == {"passed"}
+    assert result.isolation == "bwrap"
+
+
+def test_wrong_patch_scores_zero(example: ExampleTask):
+    result = score(example.task(), example.wrong_patch)
+    assert_zero(result, "did not pass")
+    assert result.tests["tests/test_ops.py::test_add"] == "failed"
+
+
+def test_empty_patch_scores_zero(example: ExampleTask):
+    assert_zero(score(example.task(), ""), "tests/test_ops.py::test_add (failed)")
+
+
+def test_a_task_given_as_a_git_bundle_scores_like_its_folder(example: ExampleTask, tmp_path: Path):
+    bundle = tmp_path / "calc.bundle"
+    git(example.repo, "bundle", "create", str(bundle), "--all")
+    task = example.task().model_copy(update={"repo": bundle})
+    assert score(task, example.gold_patch).reward == 1
+
+
+CHEATING_CONFTEST = """
+import pytest
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    report.outcome = "passed"
+    report.longrepr = None
+"""
+
+
+def test_a_patch_adding_a_cheating_conftest_scores_zero(example: ExampleTask):
+    for where in ("conftest.py", "calc/conftest.py"):
+        result = score_change(example, {where: CHEATING_CONFTEST})
+        assert_zero(result, f"protected paths: {where}")
+
+
+def test_the_cheating_conftest_would_have_worked_without_the_guard(example: ExampleTask):
+    """The attack is real: placed by the task itself (not the patch), it fakes a pass."""
+    (example.repo / "conftest.py").write_text(CHEATING_CONFTEST)
+    git(example.repo, "add", "conftest.py")
+    git(example.repo, "commit", "-q", "-m", "cheat")
+    base = git(example.repo, "rev-parse", "HEAD").strip()
+    task = example.task().model_copy(update={"base_commit": base})
+    assert score(task, "").reward == 1
+
+
+def test_a_patch_editing_a_required_test_scores_zero(example: ExampleTask):
+    trivial = "def test_sub():\n    pass\n\n\ndef test_add():\n    pass\n"
+    assert_zero(score_change(example, {"tests/test_ops.py": trivial}), "tests/test_ops.py")
+
+
+def test_startup_hooks_and_bytecode_are_protected(example: ExampleTask):
+    for path in ("calc/sitecustomize.py", "evil.pth", "calc/__pycache__/ops.cpython-311.pyc"):
+        assert_zero(score_change(example, {path: "x = 1\n"}), "protected paths")
+
+
+def test_a_patch_escaping_the_repository_scores_zero(example: ExampleTask):
+    escaping = OPS_FIXED and (
+        "diff --git a/../escape.py b/../escape.py\nnew file mode 100644\n"
+        "--- /dev/null\n+++ b/../escape.py\n@@ -0,0 +1 @@\n+x = 1\n"
+    )
+    assert_zero(score(example.task(), escaping), "does not apply")
+    assert not (example.repo.parent / "escape.py").exists()
+
+
+def test_a_patch_writing_through_a_symlink_scores_zero(example: ExampleTask):
+    (example.repo / "link").symlink_to("/tmp")
+    git(example.repo, "add", "link")
+    git(example.repo, "commit", "-q", "-m", "link")
+    base = git(example.repo, "rev-parse", "HEAD").strip()
+    through = (
+        "diff --git a/link/planted.txt b/link/planted.txt\nnew file mode 100644\n"
+        "--- /dev/null\n+++ b/link/planted.txt\n@@ -0,0 +1 @@\n+x\n"
+    )
+    result = score(example.task().model_copy(update={"base_commit": base}), through)
+    assert_zero(result, "does not apply")
+
+
+def test_a_patch_that_does_not_apply_scores_zero(example: ExampleTask):
+    broken = example.gold_patch.replace("return a - b", "return a ^ b", 1)
+    assert_zero(score(example.task(), broken), "does not apply")
+
+
+def test_a_patch_fetching_the_answer_over_the_network_scores_zero(example: ExampleTask):
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+
+        def answer() -> None:
+            server.settimeout(30)
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            with conn:
+                conn.sendall(b"a + b")
+
+        thread = threading.Thread(target=answer, daemon=True)
+        thread.start()
+        body = (
+            "import socket\n"
+            f"    s = socket.create_connection(('127.0.0.1', {port}), timeout=3)\n"
+            "    return eval(s.recv(100).decode())"
+        )
+        result = score_change(example, {"calc/ops.py": ops_with("", body)})
+        # Unblock the server thread: connect ourselves to show the server was reachable here.
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as probe:
+            assert probe.recv(100) == b"a + b"
+        thread.join(timeout=10)
+    assert_zero(result, "did not pass")
+
+
+def test_a_fork_bomb_scores_zero_and_is_cleaned_up(example: ExampleTask):
+    bomb = (
+        "import os\n    while True:\n        try:\n            os.fork()\n"
+        "        except OSError:\n            pass"
+    )
+    result = score_change(example, {"calc/ops.py": ops_with("", bomb)}, timeout_s=4)
+    assert_zero(result, "did not finish")
+
+
+def test_printing_gigabytes_scores_zero_quickly(example: ExampleTask):
+    flood = (
+        "import os\n    for _ in range(1 << 14):\n"
+        "        os.write(1, b'y' * (1 << 20))\n    return a + b"
+    )
+    result = score_change(example, {"calc/ops.py": ops_with("", flood)})
+    assert result.reward == 0, result.reason
+    assert result.duration_s < 60
+    assert len(result.output_tail) <= 2000
+
+
+def test_sleeping_forever_scores_zero_at_the_timeout(example: ExampleTask):
+    sleeper = "import time\n    time.sleep(10 ** 6)"
+    result = score_change(example, {"calc/ops.py": ops_with("", sleeper)}, timeout_s=3)
+    assert_zero(result, "did not finish within 3 s")
+
+
+FORGER = """import atexit, glob, os, sys
+
+print("PASSED tests/test_ops.py::test_add")
+FORGED = (
+    '<testsuites><testsuite name="%s" tests="3">'
+    '<testcase file="tests/test_ops.py" classname="tests.test_ops" name="test_add"/>'
+    '<testcase file="tests/test_ops.py" classname="tests.test_ops" name="test_sub"/>'
+    '<testcase file="tests/test_ops.py" classname="tests.test_ops.TestSubMore"'
+    ' name="test_negative"/>'
+    '</testsuite></testsuites>'
+)
+
+
+def _forge():
+    nonce = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("junit_suite_name=")), "x")
+    target = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--junitxml=")), None)
+    for path in [target, "report.xml", "/tmp/report/junit.xml", *glob.glob("/tmp/report/*")]:
+        if path:
+            with open(path, "w") as handle:
+                handle.write(FORGED % nonce)
+
+
+atexit.register(_forge)
+"""
+
+
+def test_forged_prints_and_junit_reports_score_zero(example: ExampleTask):
+    result = score_change(example, {"calc/ops.py": ops_with(FORGER)})
+    assert_zero(result, "disagree")
+
+
+def test_a_solution_in_git_history_is_out_of_reach(example: ExampleTask):
+    (example.repo / "calc" / "ops.py").write_text(OPS_FIXED)
+    git(example.repo, "commit", "-q", "-am", "the fix")
+    git(example.repo, "tag", "solution")
+    git(example.repo, "update-ref", "refs/hidden/answer", "HEAD")
+    git(example.repo, "checkout", "-q", example.base_commit)
+    leak = subprocess.run(
+        ["git", "show", "solution:calc/ops.py"], cwd=example.repo, capture_output=True, text=True
+    )
+    assert "return a + b" in leak.stdout  # the answer is really in the task's repository
+    thief = (
+        "import subprocess\n"
+        f"    for repo in ('.', {str(example.repo)!r}):\n"
+        "        for ref in ('solution', 'refs/hidden/answer', '--all'):\n"
+        "            done = subprocess.run(['git', '-C', repo, 'log', '-p', ref],\n"
+        "                                  capture_output=True, text=True)\n"
+        "            if '+    return a + b' in done.stdout:\n"
+        "                return a + b\n"
+        "    return a - b"
+    )
+    result = score_change(example, {"calc/ops.py": ops_with("", thief)})
+    assert_zero(result, "test_add (failed)")
+
+
+def test_a_missing_interpreter_is_an_infrastructure_error(example: ExampleTask):
+    task = example.task().model_copy(update={"python": "/nonexistent/python3"})
+    result = score(task, example.gold_patch)
+    assert result.status is ScoreStatus.INFRA_ERROR and result.reward is None
+    assert "/nonexistent/python3" in result.reason
+
+
+def test_a_failing_setup_command_is_an_infrastructure_error(example: ExampleTask):
+    task = example.task().model_copy(update={"setup_command": ["sh", "-c", "exit 7"]})
+    result = score(task, example.gold_patch)
+    assert result.status is ScoreStatus.INFRA_ERROR and result.reward is None
+    assert "setup command failed (exit code 7" in result.reason
+
+
+def test_a_missing_base_commit_is_an_infrastructure_error(example: ExampleTask):
+    task = example.task().model_copy(update={"base_commit": "0" * 40})
+    result = score(task, example.gold_patch)
+    assert result.status is ScoreStatus.INFRA_ERROR and result.reward is None
+    assert "base commit" in result.reason
+
+
+def test_a_test_patch_that_does_not_apply_is_an_infrastructure_error(example: ExampleTask):
+    task = example.task()
+    broken = task.test_patch.replace("def test_sub", "def test_zzz", 1)
+    result = score(task.model_copy(update={"test_patch": broken}), example.gold_patch)
+    assert result.status is ScoreStatus.INFRA_ERROR and result.reward is None
+    assert "test patch" in result.reason
+
+
+def test_a_task_without_required_tests_is_rejected(tmp_path: Path):
+    example = make_example_task(tmp_path, fail_to_pass=[], pass_to_pass=[])
+    with pytest.raises(InvalidTask, match="no required tests"):
+        example.task()
+
+
+def test_a_malformed_task_file_is_rejected_with_its_cause(tmp_path: Path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(InvalidTask, match="not valid JSON"):
+        load_task(bad)
+    bad.write_text(
+        json.dumps(
+            {"id": "x", "repo": "r", "base_commit": "abcd", "fail_to_pass": ["t"], "surprise": 1}
+        )
+    )
+    with pytest.raises(InvalidTask, match="surprise"):
+        load_task(bad)
+
+
+def test_scoring_uses_the_chosen_interpreter(example: ExampleTask):
+    result = score(example.task(), example.gold_patch, python=sys.executable)
+    assert result.reward == 1
