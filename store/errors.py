@@ -52,3 +52,10 @@ class ChecksumMismatch(CorruptPayload):
 
 class TensorMismatch(StoreError, ValueError):
     """Base and target disagree on tensor names, shapes or dtypes."""
+
+
+class AlreadyExists(StoreError, ValueError):
+    """A run or version already exists with different content; both are immutable once written.
+
+    Recovery: publish under a new version number (or create a run with a new id).
+    """
