@@ -1,0 +1,104 @@
+"""NVFP4 in NVIDIA ModelOpt layout: E2M1 codes, FP8 per-16 scales, FP32 global scale.
+
+Owns the quantize/dequantize math for one 2-D weight given its (possibly group-shared)
+`global_amax`:
+
+- `weight_scale_2 = global_amax / (6 · 448)` (1.0 for an all-zero group);
+- per 16-element block along K: `s = block_amax / (6 · weight_scale_2)`, 1.0 for a zero
+  block, clamped to [2⁻⁹, 448] and cast to float8_e4m3fn;
+- values are divided by the *quantized* block scale times `weight_scale_2`, saturated at
+  ±6 and rounded to nearest-even on the E2M1 grid;
+- codes are packed two per byte, element 2i in the low nibble (so (0.5, −6) → 0xF1).
+
+Must never choose the global amax itself: fused groups share it, and that is decided by
+`engine_agent.precision.plan`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+GROUP = 16
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+E4M3_MIN_SUBNORMAL = 2.0**-9
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# Magnitudes at or above an upper bound move to the next code; ties at 0.25/1.25/2.5/5 stay
+# down and ties at 0.75/1.75/3.5 go up, which is round-to-nearest-even on this grid.
+_BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+_TIES_UP = (0.75, 1.75, 3.5)
+
+
+def e2m1_codes(y: torch.Tensor) -> torch.Tensor:
+    """4-bit codes (uint8, 0..15) of fp32 values, nearest-even, saturating at ±6."""
+    mag = y.abs()
+    code = torch.zeros_like(mag, dtype=torch.uint8)
+    for bound in _BOUNDS:
+        above = mag >= bound if bound in _TIES_UP else mag > bound
+        code += above.to(torch.uint8)
+    negative = (y < 0) & (code > 0)
+    return code | (negative.to(torch.uint8) << 3)
+
+
+def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    """fp32 values of 4-bit codes."""
+    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32)
+    return table[codes.long()]
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """`[N, K]` codes → `[N, K/2]` bytes, even element in the low nibble."""
+    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """`[N, K/2]` bytes → `[N, K]` codes."""
+    low = packed & 0x0F
+    high = packed >> 4
+    return torch.stack((low, high), dim=-1).reshape(packed.shape[0], packed.shape[1] * 2)
+
+
+def global_scale(global_amax: float) -> torch.Tensor:
+    """`weight_scale_2` (or `input_scale`) for an amax: amax / 2688, 1.0 when amax is 0."""
+    amax = torch.tensor(global_amax, dtype=torch.float32)
+    if amax.item() <= 0:
+        return torch.tensor(1.0, dtype=torch.float32)
+    return amax / (E2M1_MAX * E4M3_MAX)
+
+
+def quantize_nvfp4(
+    weight: torch.Tensor, global_amax: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Return (`weight` uint8 `[N, K/2]`, `weight_scale` e4m3 `[N, K/16]`, `weight_scale_2`)."""
+    if weight.dim() != 2 or weight.shape[1] % GROUP:
+        raise ValueError(
+            f"expected a 2-D weight whose K is a multiple of {GROUP}, found shape "
+            f"{tuple(weight.shape)}; keep such layers in BF16"
+        )
+    rows, cols = weight.shape
+    scale_2 = global_scale(global_amax)
+    blocks = weight.to(torch.float32).view(rows, cols // GROUP, GROUP)
+    block_amax = blocks.abs().amax(dim=-1)
+    ideal = block_amax / (E2M1_MAX * scale_2)
+    ideal = torch.where(block_amax > 0, ideal, torch.ones_like(ideal))
+    block_scale = ideal.clamp(E4M3_MIN_SUBNORMAL, E4M3_MAX).to(torch.float8_e4m3fn)
+    divisor = block_scale.to(torch.float32) * scale_2
+    y = (blocks / divisor[..., None]).clamp(-E2M1_MAX, E2M1_MAX)
+    codes = e2m1_codes(y).view(rows, cols)
+    return pack_nibbles(codes).contiguous(), block_scale.contiguous(), scale_2
+
+
+def dequantize_nvfp4(
+    packed: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor
+) -> torch.Tensor:
+    """fp32 weight `[N, K]` = E2M1 value × its block's scale × `weight_scale_2`."""
+    codes = unpack_nibbles(packed)
+    rows, cols = codes.shape
+    if tuple(weight_scale.shape) != (rows, cols // GROUP):
+        raise ValueError(
+            f"weight_scale for a {rows}×{cols} NVFP4 weight must be {(rows, cols // GROUP)}, "
+            f"found {tuple(weight_scale.shape)}"
+        )
+    values = e2m1_values(codes).view(rows, cols // GROUP, GROUP)
+    scale = weight_scale.to(torch.float32) * weight_scale_2.to(torch.float32)
+    return (values * scale[..., None]).view(rows, cols)

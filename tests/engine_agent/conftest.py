@@ -1,0 +1,253 @@
+"""Fixtures of the engine-agent tests: tiny checkpoints and real reference engine processes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from store.tensors import RawTensor
+from tests.fixtures.processes import (
+    TETHER,
+    ManagedProcess,
+    free_port,
+    start_process,
+    wait_ready,
+    wait_until,
+)
+from tests.fixtures.reference_engine import (
+    ReferenceEngineProcess,
+    TinyCheckpoints,
+    make_tiny_checkpoints,
+    start_reference_engine,
+)
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyCheckpoints:
+    """The tiny model in BF16 (seed 0 and seed 1), FP8 and NVFP4."""
+    return make_tiny_checkpoints(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def bf16_engine(
+    tiny: TinyCheckpoints, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ReferenceEngineProcess]:
+    """A BF16 reference engine that tests must leave unpaused and on its boot weights."""
+    engine = start_reference_engine(tiny.bf16, tmp_path_factory.mktemp("logs") / "bf16.log")
+    yield engine
+    engine.stop()
+
+
+# ---------------------------------------------------------------- engine agents
+# Published versions of the tiny model, a control plane process and agent processes.
+
+ADMIN_TOKEN = "tth_agent-tests-admin-0123456789abcdef"
+AGENT_START_DEADLINE_S = 120.0
+
+
+def training_step(tensors: dict[str, RawTensor], seed: int) -> dict[str, RawTensor]:
+    """A training-like update: about 5% of each tensor's values move a little (finite values
+    only, so every engine can hold the result bit for bit)."""
+    import torch
+
+    from store.torch_bridge import raw_to_state_dict, to_raw
+
+    generator = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, tensor in raw_to_state_dict(tensors).items():
+        values = tensor.float()
+        mask = torch.rand(values.shape, generator=generator) < 0.05
+        step = torch.randn(values.shape, generator=generator) * 1e-2
+        out[name] = to_raw((values + mask * step).to(tensor.dtype))
+    return out
+
+
+class VersionChain:
+    """Publishes versions of the tiny model to a folder store: v0 is the boot checkpoint,
+    every later version a small training-like update of the one before."""
+
+    def __init__(self, store_root: Path, run_id: str, boot: Path) -> None:
+        from engine_agent.precision.checkpoint import read_tensors
+        from store.store import Store
+        from store.torch_bridge import state_dict_to_raw
+
+        self.store_root = store_root
+        self.run_id = run_id
+        self.boot = boot
+        self.store = Store(str(store_root))
+        self.store.create_run(run_id)
+        self.tensors: dict[int, dict[str, RawTensor]] = {}
+        self._publish(0, state_dict_to_raw(read_tensors(boot)), "full")
+
+    @property
+    def latest(self) -> int:
+        return max(self.tensors)
+
+    def _publish(self, version: int, tensors: dict[str, RawTensor], codec: str, corrupt=False):
+        from store.codecs import encode_version
+        from store.types import VersionRef
+
+        base = self.tensors.get(version - 1) if codec != "full" else None
+        files = encode_version(
+            tensors,
+            base,
+            version=version,
+            base_version=version - 1 if base is not None else None,
+            codec=codec,
+        )
+        if corrupt:
+            # Flip bytes near the end of every shard: inside the payload, after the header.
+            for name in files:
+                if name.endswith(".safetensors"):
+                    data = bytearray(files[name])
+                    for i in range(1, 64):
+                        data[-i] ^= 0x5A
+                    files[name] = bytes(data)
+        self.store.publish(VersionRef(self.run_id, version), files)
+        if not corrupt:
+            self.tensors[version] = tensors
+
+    def publish(self, kind: str = "delta", *, corrupt: bool = False) -> int:
+        """Publish the next version as a FULL (`kind="full"`) or sparse delta; a corrupt one
+        is published with damaged payload bytes (and is not remembered as a valid base)."""
+        version = max(self.latest, self._published()) + 1
+        tensors = training_step(self.tensors[self.latest], seed=version)
+        self._publish(version, tensors, "full" if kind == "full" else "sparse", corrupt)
+        return version
+
+    def _published(self) -> int:
+        pointer = self.store.read_pointer(self.run_id)
+        return pointer.version if pointer else -1
+
+    def torch_tensors(self, version: int) -> dict:
+        from store.torch_bridge import raw_to_state_dict
+
+        return raw_to_state_dict(self.tensors[version])
+
+    def write_folder(self, version: int, out: Path) -> Path:
+        """The canonical BF16 checkpoint of `version` as a folder an engine can load."""
+        import shutil
+
+        from engine_agent.precision.checkpoint import copy_side_files, write_safetensors_folder
+
+        write_safetensors_folder(out, self.torch_tensors(version))
+        shutil.copyfile(self.boot / "config.json", out / "config.json")
+        copy_side_files(self.boot, out)
+        return out
+
+
+@dataclass
+class ControlPlaneProcess:
+    process: ManagedProcess
+    url: str
+    tokens: dict[str, str]
+
+    def call(self, method: str, path: str, role: str = "admin", **kwargs) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {self.tokens[role]}"}
+        return httpx.request(method, self.url + path, headers=headers, timeout=30.0, **kwargs)
+
+    def engines(self, run_id: str) -> list[dict]:
+        reply = self.call("GET", "/v1/engines", params={"run_id": run_id})
+        assert reply.status_code == 200, reply.text
+        return reply.json()["engines"]
+
+    def engine(self, run_id: str, url: str) -> dict | None:
+        found = [e for e in self.engines(run_id) if e["url"] == url]
+        return found[0] if found else None
+
+    def notify(self, run_id: str, version: int) -> None:
+        reply = self.call(
+            "POST", f"/v1/runs/{run_id}/versions", "trainer", json={"version": version}
+        )
+        assert reply.status_code == 201, reply.text
+
+
+def start_controlplane(root: Path) -> ControlPlaneProcess:
+    """`tether controlplane serve` on SQLite, with short leases and fast snapshots."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {
+        "TETHER_ADMIN_TOKEN": ADMIN_TOKEN,
+        "TETHER_LEASE_SECONDS": "5",
+        "TETHER_HEARTBEAT_INTERVAL_S": "0.5",
+        "TETHER_SNAPSHOT_REFRESH_S": "0.1",
+        "TETHER_POLL_INTERVAL_S": "0.05",
+        "TETHER_TOKEN_CACHE_S": "0",
+    }
+    cmd = [
+        TETHER, "controlplane", "serve", "--db", f"sqlite:///{root / 'cp.db'}",
+        "--store", str(root / "store"), "--port", str(port), "--log-level", "warning",
+    ]  # fmt: skip
+    process = start_process("control plane", cmd, root / "controlplane.log", url=url, env=env,
+                            ready_path="/readyz")  # fmt: skip
+    cp = ControlPlaneProcess(process, url, {"admin": ADMIN_TOKEN})
+    for role in ("trainer", "engine", "client"):
+        reply = cp.call("POST", "/v1/tokens", json={"role": role, "name": f"agent-tests-{role}"})
+        assert reply.status_code == 201, reply.text
+        cp.tokens[role] = reply.json()["token"]
+    return cp
+
+
+def launch_agent(
+    name: str,
+    engine_url: str,
+    precision: str,
+    root: Path,
+    *,
+    store_root: Path,
+    run_id: str,
+    boot_model: Path,
+    boot_version: int | None = 0,
+    control_plane: ControlPlaneProcess | None = None,
+    extra: tuple[str, ...] = (),
+) -> ManagedProcess:
+    """Start `tether agent run` for one engine (without waiting for it)."""
+    port = free_port()
+    cmd = [
+        TETHER, "agent", "run", "--engine-url", engine_url, "--precision", precision,
+        "--store", str(store_root), "--run", run_id, "--port", str(port),
+        "--boot-model", str(boot_model), "--work-dir", str(root / f"{name}-work"),
+        *extra,
+    ]  # fmt: skip
+    if boot_version is not None:
+        cmd += ["--boot-version", str(boot_version)]
+    env = {"TETHER_AGENT_RETRY_INITIAL_S": "0.2", "TETHER_AGENT_RETRY_MAX_S": "1",
+           "TETHER_AGENT_POINTER_POLL_S": "0.2", "TETHER_AGENT_ENGINE_PROBE_S": "0.3"}  # fmt: skip
+    if control_plane is not None:
+        cmd += ["--control-plane", control_plane.url]
+        env["TETHER_TOKEN"] = control_plane.tokens["engine"]
+    return start_process(
+        name, cmd, root / f"{name}.log", url=f"http://127.0.0.1:{port}", env=env, wait=False
+    )
+
+
+def wait_agent(agent: ManagedProcess) -> ManagedProcess:
+    """Until the agent's proxy answers `/server_info`."""
+    return wait_ready(agent, "/server_info", deadline_s=AGENT_START_DEADLINE_S)
+
+
+def server_info(agent: ManagedProcess) -> dict:
+    reply = httpx.get(f"{agent.url}/server_info", timeout=10.0)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def wait_applied(agent: ManagedProcess, version: int, deadline_s: float = 60.0) -> dict:
+    """Until the agent serves `version` and has nothing staged; return its server info."""
+
+    def done() -> dict | None:
+        if not agent.alive():
+            raise AssertionError(f"{agent.name} exited:\n{agent.log_tail()}")
+        info = server_info(agent)
+        ok = info["applied_version"] == version and info["staging_target"] is None
+        return info if ok else None
+
+    return wait_until(done, deadline_s, f"{agent.name} to serve v{version}")
+
+
+def generate(url: str, body: dict, timeout: float = 60.0) -> httpx.Response:
+    return httpx.post(f"{url}/generate", json=body, timeout=timeout)

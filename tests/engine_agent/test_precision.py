@@ -1,0 +1,231 @@
+"""FP8 block and NVFP4 conversion follow quant-formats.md and are byte-deterministic."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine_agent.precision import (
+    calibrate_input_scales,
+    convert_checkpoint,
+    convert_tensors,
+    plan_quantization,
+    read_input_scales,
+)
+from engine_agent.precision.checkpoint import read_config, read_tensors
+from engine_agent.precision.fp8 import dequantize_fp8_block, quantize_fp8_block
+from engine_agent.precision.nvfp4 import (
+    dequantize_nvfp4,
+    e2m1_codes,
+    e2m1_values,
+    pack_nibbles,
+    quantize_nvfp4,
+)
+
+
+def weights(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, cols, generator=generator) * 0.02).to(torch.bfloat16)
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# -- FP8 block ---------------------------------------------------------------------------
+
+
+def test_fp8_blocks_of_an_unaligned_weight_use_ceil_divided_scales_and_bounded_error():
+    w = weights(1000, 700).to(torch.float32)
+    q, scale_inv = quantize_fp8_block(w)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (1000, 700)
+    assert scale_inv.dtype == torch.float32 and scale_inv.shape == (8, 6)
+    back = dequantize_fp8_block(q, scale_inv)
+    relative = (back - w).norm() / w.norm()
+    assert relative < 0.035
+    # E4M3 normals carry 3 mantissa bits: per-element error ≤ 2⁻⁴·|x| (plus subnormal slack)
+    slack = scale_inv.max() * 2.0**-9
+    assert torch.all((back - w).abs() <= w.abs() * 2.0**-4 + slack)
+
+
+def test_fp8_dequantize_then_requantize_is_bit_identical():
+    q, scale_inv = quantize_fp8_block(weights(256, 384))
+    q2, scale_inv2 = quantize_fp8_block(dequantize_fp8_block(q, scale_inv))
+    assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8))
+    assert torch.equal(scale_inv, scale_inv2)
+
+
+def test_fp8_zero_tile_gets_scale_one_and_decodes_to_zero():
+    w = torch.zeros(128, 256)
+    w[:, 128:] = 1.0
+    q, scale_inv = quantize_fp8_block(w)
+    assert scale_inv[0, 0] == 1.0 and scale_inv[0, 1] == pytest.approx(1 / 448)
+    assert torch.equal(dequantize_fp8_block(q, scale_inv), w)
+
+
+# -- NVFP4 ---------------------------------------------------------------------------------
+
+
+def test_e2m1_rounds_to_nearest_even_and_saturates_at_six():
+    y = torch.tensor([0.25, 0.26, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 5.01, 7.0, -0.5, -0.1])
+    expected = [0.0, 0.5, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, 6.0, -0.5, 0.0]
+    assert e2m1_values(e2m1_codes(y)).tolist() == expected
+    assert e2m1_codes(torch.tensor([-0.1])).item() == 0  # +0, never -0
+
+
+def test_nibble_order_puts_the_even_element_in_the_low_nibble():
+    codes = e2m1_codes(torch.tensor([[0.5, -6.0]]))
+    assert pack_nibbles(codes).tolist() == [[0xF1]]
+
+
+def test_nvfp4_group_error_is_bounded_and_requantization_is_bit_identical():
+    w = weights(256, 512).to(torch.float32)
+    amax = float(w.abs().max())
+    packed, block_scale, scale_2 = quantize_nvfp4(w, amax)
+    assert packed.dtype == torch.uint8 and packed.shape == (256, 256)
+    assert block_scale.dtype == torch.float8_e4m3fn and block_scale.shape == (256, 32)
+    assert scale_2.shape == () and scale_2.item() == pytest.approx(amax / 2688)
+    back = dequantize_nvfp4(packed, block_scale, scale_2)
+    assert (back - w).norm() / w.norm() < 0.12
+    # per element: at most one grid step (≤ 2 units of the block scale for |y| in (4, 6])
+    unit = (block_scale.to(torch.float32) * scale_2).repeat_interleave(16, dim=1)
+    assert torch.all((back - w).abs() <= unit * 1.0 + 1e-12)
+    again = quantize_nvfp4(back, amax)
+    assert torch.equal(again[0], packed)
+    assert torch.equal(again[1].view(torch.uint8), block_scale.view(torch.uint8))
+
+
+def test_nvfp4_all_zero_weight_uses_unit_scales():
+    packed, block_scale, scale_2 = quantize_nvfp4(torch.zeros(4, 32), 0.0)
+    assert scale_2.item() == 1.0
+    assert torch.all(block_scale.to(torch.float32) == 1.0)
+    assert torch.all(dequantize_nvfp4(packed, block_scale, scale_2) == 0)
+
+
+# -- checkpoints ---------------------------------------------------------------------------
+
+
+def test_fp8_checkpoint_keeps_embeddings_norms_and_lm_head_bit_identical(tiny):
+    source = read_tensors(tiny.bf16)
+    out = read_tensors(tiny.fp8)
+    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"):
+        assert out[name].dtype == torch.bfloat16 and torch.equal(out[name], source[name])
+    for name in source:
+        if "norm" in name:
+            assert torch.equal(out[name], source[name])
+    q = "model.layers.0.self_attn.k_proj"  # 64 rows: one partial 128-block
+    assert out[f"{q}.weight"].dtype == torch.float8_e4m3fn
+    assert out[f"{q}.weight_scale_inv"].shape == (1, 1)
+    index = json.loads((tiny.fp8 / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(out)
+
+
+def test_fp8_quantization_config_is_sglangs_block_fp8(tiny):
+    quant = read_config(tiny.fp8)["quantization_config"]
+    assert quant["quant_method"] == "fp8" and quant["fmt"] == "e4m3"
+    assert quant["activation_scheme"] == "dynamic"
+    assert quant["weight_block_size"] == [128, 128]
+    assert "lm_head" in quant["modules_to_not_convert"]
+    assert "model.layers.0.input_layernorm" in quant["modules_to_not_convert"]
+    assert read_config(tiny.fp8)["torch_dtype"] == "bfloat16"
+
+
+def test_nvfp4_fused_groups_share_global_and_input_scales(tiny):
+    out = read_tensors(tiny.nvfp4)
+    for layer in (0, 1):
+        base = f"model.layers.{layer}"
+        for group in (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                      ("mlp.gate_proj", "mlp.up_proj")):  # fmt: skip
+            for suffix in ("weight_scale_2", "input_scale"):
+                values = {out[f"{base}.{m}.{suffix}"].item() for m in group}
+                assert len(values) == 1, (base, group, suffix, values)
+        for module in ("self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj"):
+            name = f"{base}.{module}"
+            assert out[f"{name}.weight"].dtype == torch.uint8
+            assert out[f"{name}.weight_scale"].dtype == torch.float8_e4m3fn
+            assert out[f"{name}.weight_scale_2"].shape == ()
+            assert out[f"{name}.input_scale"].dtype == torch.float32
+            assert out[f"{name}.input_scale"].item() > 0
+
+
+def test_nvfp4_configs_are_modelopt_flat_and_nested(tiny):
+    quant = read_config(tiny.nvfp4)["quantization_config"]
+    assert quant["quant_method"] == "modelopt" and quant["quant_algo"] == "NVFP4"
+    assert quant["config_groups"]["group_0"]["weights"]["group_size"] == 16
+    assert quant["producer"]["name"] == "modelopt"
+    assert "lm_head" in quant["ignore"]
+    nested = json.loads((tiny.nvfp4 / "hf_quant_config.json").read_text())
+    assert nested["quantization"]["quant_algo"] == "NVFP4"
+    assert nested["quantization"]["group_size"] == 16
+    assert nested["quantization"]["exclude_modules"] == quant["ignore"]
+
+
+def test_nvfp4_keeps_a_whole_fused_group_bf16_when_one_member_breaks_k_divisibility():
+    shapes = {
+        "model.layers.0.self_attn.q_proj.weight": torch.zeros(32, 40),
+        "model.layers.0.self_attn.k_proj.weight": torch.zeros(16, 40),
+        "model.layers.0.self_attn.v_proj.weight": torch.zeros(16, 40),
+        "model.layers.0.mlp.gate_proj.weight": torch.zeros(64, 32),
+        "model.layers.0.mlp.up_proj.weight": torch.zeros(64, 32),
+        "model.layers.0.mlp.down_proj.weight": torch.zeros(32, 64),
+        "lm_head.weight": torch.zeros(10, 32),
+    }
+    plan = plan_quantization(shapes, "nvfp4")
+    assert plan.groups == (
+        ("model.layers.0.mlp.down_proj",),
+        ("model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"),
+    )
+    assert "model.layers.0.self_attn.k_proj" in plan.kept_linears
+    assert "lm_head" in plan.kept_linears
+
+
+def test_converting_a_quantized_folder_is_refused(tiny):
+    with pytest.raises(ValueError, match="canonical BF16"):
+        convert_tensors(read_tensors(tiny.fp8), read_config(tiny.fp8), "nvfp4", {})
+
+
+def test_nvfp4_without_input_scales_is_refused_by_convert_tensors(tiny):
+    with pytest.raises(ValueError, match="input_scale"):
+        convert_tensors(read_tensors(tiny.bf16), read_config(tiny.bf16), "nvfp4", None)
+
+
+def test_conversion_is_byte_identical_across_runs_and_processes(tiny, tmp_path):
+    for precision in ("fp8", "nvfp4"):
+        convert_checkpoint(tiny.bf16, precision, tmp_path / f"again-{precision}")
+    script = (
+        "import sys; from engine_agent.precision import convert_checkpoint; "
+        "convert_checkpoint(sys.argv[1], 'nvfp4', sys.argv[2])"
+    )
+    subprocess.run(
+        [sys.executable, "-c", script, str(tiny.bf16), str(tmp_path / "process-nvfp4")],
+        check=True,
+        timeout=120,
+    )
+    for name in ("model.safetensors", "config.json", "model.safetensors.index.json"):
+        assert sha(tmp_path / "again-fp8" / name) == sha(tiny.fp8 / name)
+        assert sha(tmp_path / "again-nvfp4" / name) == sha(tiny.nvfp4 / name)
+        assert sha(tmp_path / "process-nvfp4" / name) == sha(tiny.nvfp4 / name)
+
+
+def test_input_scales_from_a_boot_checkpoint_reproduce_its_bytes(tiny, tmp_path):
+    scales = read_input_scales(tiny.nvfp4)
+    assert len(scales) == 14
+    stats = convert_checkpoint(tiny.bf16, "nvfp4", tmp_path / "reused", scales)
+    assert stats.input_scales_source == "given"
+    assert sha(tmp_path / "reused" / "model.safetensors") == sha(tiny.nvfp4 / "model.safetensors")
+
+
+def test_calibrated_input_scales_are_powers_of_two_over_2688_for_every_quantized_module(tiny):
+    tensors, config = read_tensors(tiny.bf16), read_config(tiny.bf16)
+    plan = plan_quantization(tensors, "nvfp4")
+    scales = calibrate_input_scales(tensors, config, plan, tiny.bf16)
+    assert set(scales) == set(plan.quantized)
+    for value in scales.values():
+        exponent = torch.log2(torch.tensor(value * 2688.0))
+        assert exponent == torch.round(exponent)
