@@ -1,0 +1,474 @@
+"""The Modal app for a mixed-accelerator fleet: the control plane plus one class per pool.
+
+`build_plan(fleet)` turns a fleet file into plain data (images, GPUs, replicas, secrets,
+volumes and the exact command lines of every container); `build_app(plan)` turns that plan
+into a `modal.App`. Only `build_app` imports `modal`, so this module imports, and its plan
+can be checked, on a machine without Modal or credentials.
+
+Deploy with `tether deploy modal --config fleet.toml`, which runs
+`modal deploy -m deploy.modal_app` with `TETHER_FLEET_CONFIG` pointing at the file. At
+import the module builds `app` from that variable; inside a container the same file is
+baked into the image, so both sides build the same app.
+
+Each replica container converts the base checkpoint to its pool's precision, starts SGLang
+on loopback, opens a Modal tunnel to the agent's port (every replica needs its own address:
+the control plane routes to one engine, not to a load balancer) and starts the agent with
+that URL as its advertised address. SIGTERM reaches the agent first, so it deregisters.
+
+Must never be imported by another package (ARCHITECTURE §1: `deploy/` is the composition
+root), and must never touch `modal` outside `build_app` and the container hooks.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shlex
+import threading
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from deploy.fleet import FleetConfig, PoolConfig, load_fleet
+from deploy.replica import SGLANG_ENV, ReplicaSpec, agent_argv, convert_argv, sglang_argv
+
+if TYPE_CHECKING:
+    import modal
+
+log = logging.getLogger(__name__)
+
+FLEET_ENV = "TETHER_FLEET_CONFIG"
+CONTAINER_FLEET_PATH = "/root/tether-fleet.toml"
+CONTROLPLANE_FUNCTION = "controlplane"
+MIGRATE_FUNCTION = "migrate"
+# Placeholders in a pool's agent command line, filled inside the container at start.
+CONTROL_PLANE_SLOT = "{control_plane_url}"
+REPLICA_URL_SLOT = "{replica_url}"
+
+# Packages the SGLang image already ships, at the versions SGLang was built against.
+ENGINE_IMAGE_PROVIDES = frozenset(
+    {"torch", "transformers", "tokenizers", "safetensors", "fastapi", "uvicorn", "numpy"}
+)
+# Source only (no dependencies): `tether` imports every noun's module, `bench` included.
+TETHER_PACKAGES = (
+    "store",
+    "controlplane",
+    "engine_agent",
+    "trainer_client",
+    "sandboxes",
+    "deploy",
+    "bench",
+)
+# The images get the source folders, not an installed wheel, so `tether` is a shim.
+TETHER_SHIM = (
+    "printf '#!/bin/sh\\nexec python3 -m deploy \"$@\"\\n' > /usr/local/bin/tether"
+    " && chmod +x /usr/local/bin/tether"
+)
+
+
+@dataclass(frozen=True)
+class ImagePlan:
+    """A container image: a registry base, pip requirements, shell steps, our packages."""
+
+    base: str
+    pip: tuple[str, ...]
+    commands: tuple[str, ...]
+    local_packages: tuple[str, ...]
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ControlPlanePlan:
+    name: str
+    image: ImagePlan
+    secrets: tuple[str, ...]
+    volumes: dict[str, str]
+    port: int
+    min_containers: int
+    max_containers: int
+    concurrency: int
+    serve_argv: tuple[str, ...]
+    migrate_argv: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """One Modal class: `min_containers..max_containers` replicas on `gpu`."""
+
+    name: str
+    class_name: str
+    gpu: str
+    accelerator: str
+    precision: str
+    image: ImagePlan
+    secrets: tuple[str, ...]
+    volumes: dict[str, str]
+    min_containers: int
+    max_containers: int
+    startup_timeout_s: int
+    agent_port: int
+    sglang_port: int
+    work_dir: str
+    convert_argv: tuple[str, ...] | None
+    sglang_argv: tuple[str, ...]
+    agent_argv: tuple[str, ...]
+    env: dict[str, str] = field(default_factory=dict)
+
+    def agent_argv_for(self, control_plane_url: str, replica_url: str) -> list[str]:
+        """The agent's command line with the container's real URLs filled in."""
+        return [
+            arg.replace(CONTROL_PLANE_SLOT, control_plane_url).replace(
+                REPLICA_URL_SLOT, replica_url
+            )
+            for arg in self.agent_argv
+        ]
+
+
+@dataclass(frozen=True)
+class ModalPlan:
+    app_name: str
+    run: str
+    store_url: str
+    control_plane_url: str | None
+    controlplane: ControlPlanePlan
+    pools: tuple[PoolPlan, ...]
+
+    def pool(self, name: str) -> PoolPlan:
+        for pool in self.pools:
+            if pool.name == name:
+                return pool
+        raise KeyError(f"no pool {name!r} in this plan; pools: {[p.name for p in self.pools]}")
+
+    def commands(self) -> list[tuple[str, str]]:
+        """(where, shell command) for every process the plan starts, in start order."""
+        rows = [
+            (f"{CONTROLPLANE_FUNCTION} (once)", shlex.join(self.controlplane.migrate_argv)),
+            (CONTROLPLANE_FUNCTION, shlex.join(self.controlplane.serve_argv)),
+        ]
+        for pool in self.pools:
+            if pool.convert_argv:
+                rows.append((pool.class_name, shlex.join(pool.convert_argv)))
+            rows.append((pool.class_name, shlex.join(pool.sglang_argv)))
+            rows.append((pool.class_name, shlex.join(pool.agent_argv)))
+        return rows
+
+
+def class_name_for(pool: PoolConfig) -> str:
+    """`h100-fast` → `PoolH100Fast`: a valid Python identifier and Modal class tag."""
+    return "Pool" + "".join(part.capitalize() for part in pool.name.split("-"))
+
+
+def project_requirements(*extras: str, exclude: frozenset[str] = frozenset()) -> tuple[str, ...]:
+    """Requirements of the core package plus `extras`, read from pyproject.toml."""
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    try:
+        project = tomllib.loads(pyproject.read_text())["project"]
+    except (OSError, KeyError) as exc:
+        raise RuntimeError(
+            f"cannot read the project's requirements from {pyproject}: deploy from a "
+            "checkout of the Tether repository"
+        ) from exc
+    requirements = list(project["dependencies"])
+    for extra in extras:
+        requirements += project["optional-dependencies"][extra]
+    kept: list[str] = []
+    for req in requirements:
+        name = req.split("[")[0].split(">")[0].split("=")[0].split("<")[0].strip().lower()
+        if name not in exclude and req not in kept:
+            kept.append(req)
+    return tuple(kept)
+
+
+def _volumes(fleet: FleetConfig, with_model: bool) -> dict[str, str]:
+    volumes: dict[str, str] = {}
+    if with_model and fleet.model.volume:
+        volumes[fleet.model.mount] = fleet.model.volume
+    if fleet.store.volume:
+        volumes[fleet.store.mount] = fleet.store.volume
+    return volumes
+
+
+def _secrets(*names: str | None) -> tuple[str, ...]:
+    return tuple(n for n in names if n)
+
+
+def build_plan(fleet: FleetConfig) -> ModalPlan:
+    """Everything the Modal app will create, as plain data."""
+    store_url = fleet.store.effective_url
+    cp = fleet.controlplane
+    controlplane = ControlPlanePlan(
+        name=CONTROLPLANE_FUNCTION,
+        image=ImagePlan(
+            base=cp.image,
+            pip=project_requirements("controlplane", "s3"),
+            commands=(TETHER_SHIM,),
+            local_packages=TETHER_PACKAGES,
+        ),
+        secrets=_secrets(cp.secret, fleet.store.secret),
+        volumes=_volumes(fleet, with_model=False),
+        port=cp.port,
+        min_containers=cp.min_replicas,
+        max_containers=cp.max_replicas,
+        concurrency=cp.concurrency,
+        # The database URL and the admin token come from the secret (TETHER_DB_URL,
+        # TETHER_ADMIN_TOKEN); migrations run once, from the `migrate` function.
+        serve_argv=(
+            "tether",
+            "controlplane",
+            "serve",
+            "--store",
+            store_url,
+            "--host",
+            "0.0.0.0",
+            "--port",
+            str(cp.port),
+            "--no-migrate",
+        ),
+        migrate_argv=("tether", "controlplane", "migrate"),
+    )
+    engine_pip = project_requirements("agent", "s3", exclude=ENGINE_IMAGE_PROVIDES)
+    pools = []
+    for pool in fleet.pools:
+        precision = fleet.precision_for(pool)
+        spec = ReplicaSpec(
+            precision=precision,
+            accelerator=pool.accelerator,
+            run=fleet.run,
+            store_url=store_url,
+            base_model=fleet.model.path,
+            boot_version=fleet.model.boot_version,
+            gpus=pool.gpus,
+            sglang_flags=tuple(fleet.sglang_flags_for(pool)),
+            control_plane_url=cp.url or CONTROL_PLANE_SLOT,
+            advertise_url=REPLICA_URL_SLOT,
+            sglang_port=fleet.engine.sglang_port,
+            agent_port=fleet.engine.agent_port,
+            work_dir=fleet.engine.work_dir,
+            capacity=pool.capacity,
+            labels={"pool": pool.name, **pool.labels},
+        )
+        converted = convert_argv(spec)
+        pools.append(
+            PoolPlan(
+                name=pool.name,
+                class_name=class_name_for(pool),
+                gpu=pool.gpu,
+                accelerator=pool.accelerator,
+                precision=precision,
+                image=ImagePlan(
+                    base=pool.image or fleet.engine.image,
+                    pip=engine_pip,
+                    commands=(TETHER_SHIM,),
+                    local_packages=TETHER_PACKAGES,
+                    env=dict(SGLANG_ENV),
+                ),
+                secrets=_secrets(fleet.engine.secret, fleet.store.secret),
+                volumes=_volumes(fleet, with_model=True),
+                min_containers=pool.min_replicas,
+                max_containers=pool.max_replicas,
+                startup_timeout_s=fleet.engine.startup_timeout_s,
+                agent_port=fleet.engine.agent_port,
+                sglang_port=fleet.engine.sglang_port,
+                work_dir=fleet.engine.work_dir,
+                convert_argv=tuple(converted) if converted else None,
+                sglang_argv=tuple(sglang_argv(spec, python="python3")),
+                agent_argv=tuple(agent_argv(spec)),
+                env=dict(SGLANG_ENV),
+            )
+        )
+    return ModalPlan(
+        app_name=fleet.app,
+        run=fleet.run,
+        store_url=store_url,
+        control_plane_url=cp.url,
+        controlplane=controlplane,
+        pools=tuple(pools),
+    )
+
+
+# ----------------------------------------------------------------------------- Modal side
+# Everything below runs only where `modal` is installed: on the deploying machine (to
+# describe the app) and inside the containers (to run it).
+
+_PLAN: ModalPlan | None = None
+
+
+def _image(spec: ImagePlan, fleet_file: Path | None) -> modal.Image:
+    import modal
+
+    image = modal.Image.from_registry(spec.base)
+    if spec.pip:
+        image = image.pip_install(*spec.pip)
+    if spec.commands:
+        image = image.run_commands(*spec.commands)
+    image = image.env({**spec.env, FLEET_ENV: CONTAINER_FLEET_PATH})
+    if fleet_file is not None:
+        image = image.add_local_file(str(fleet_file), CONTAINER_FLEET_PATH)
+    return image.add_local_python_source(*spec.local_packages)
+
+
+def _volume_map(volumes: dict[str, str]) -> dict[str, Any]:
+    import modal
+
+    return {
+        mount: modal.Volume.from_name(name, create_if_missing=True)
+        for mount, name in volumes.items()
+    }
+
+
+def serve_controlplane() -> None:
+    """Start the control plane; Modal's web_server waits for its port."""
+    import subprocess
+
+    assert _PLAN is not None, "the Modal app was built without a plan"
+    subprocess.Popen(list(_PLAN.controlplane.serve_argv))
+
+
+def migrate() -> str:
+    """Bring the PostgreSQL schema up to date (run once per deploy)."""
+    import subprocess
+
+    assert _PLAN is not None, "the Modal app was built without a plan"
+    done = subprocess.run(
+        list(_PLAN.controlplane.migrate_argv), capture_output=True, text=True, check=False
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"migration failed ({done.returncode}): {done.stderr[-2000:]}")
+    return done.stdout.strip()
+
+
+def _control_plane_url(plan: ModalPlan) -> str:
+    if plan.control_plane_url:
+        return plan.control_plane_url
+    import modal
+
+    url = modal.Function.from_name(plan.app_name, CONTROLPLANE_FUNCTION).get_web_url()
+    if not url:
+        raise RuntimeError(
+            f"the control plane of app {plan.app_name!r} has no web URL; deploy it first "
+            "or set [controlplane] url in the fleet file"
+        )
+    return url
+
+
+def replica_start(self: Any) -> None:
+    """Container start: convert, SGLang, tunnel, agent; then watch both children."""
+    import modal
+
+    from deploy.demo.launcher import ProcessFailed, ProcessGroup, log_tail
+
+    assert _PLAN is not None, "the Modal app was built without a plan"
+    pool = _PLAN.pool(self.pool_name)
+    self.group = ProcessGroup(Path(pool.work_dir) / "logs")
+    if pool.convert_argv:
+        converter = self.group.start("convert", pool.convert_argv)
+        if converter.process.wait(timeout=pool.startup_timeout_s) != 0:
+            raise ProcessFailed(
+                f"boot conversion failed; log {converter.log_path}:\n{log_tail(converter.log_path)}"
+            )
+    self.sglang = self.group.start(
+        "sglang", pool.sglang_argv, env=pool.env, url=f"http://127.0.0.1:{pool.sglang_port}"
+    )
+    self.sglang.wait_http("/health", pool.startup_timeout_s)
+    self.tunnel_context = modal.forward(pool.agent_port)
+    tunnel = self.tunnel_context.__enter__()
+    argv = pool.agent_argv_for(_control_plane_url(_PLAN), tunnel.url)
+    self.agent = self.group.start("agent", argv, url=f"http://127.0.0.1:{pool.agent_port}")
+    # 503 until the first catch-up completes, then 200: the replica is in routing.
+    self.agent.wait_http("/health", pool.startup_timeout_s)
+    log.info("replica of pool %s serving at %s", pool.name, tunnel.url)
+    threading.Thread(target=_watch, args=(self,), daemon=True).start()
+
+
+def _watch(self: Any) -> None:
+    """A dead engine or a terminal agent ends the container; Modal starts a fresh one."""
+    import time
+
+    while self.agent.alive() and self.sglang.alive():
+        time.sleep(2.0)
+    log.error("a replica process exited; stopping the container")
+    replica_stop(self)
+    os._exit(1)
+
+
+def replica_stop(self: Any) -> None:
+    """Agent first (it deregisters and stops routing here), then the engine."""
+    for name, grace_s in (("agent", 60.0), ("sglang", 30.0)):
+        process = getattr(self, name, None)
+        if process is not None:
+            process.stop(grace_s=grace_s)
+    context = getattr(self, "tunnel_context", None)
+    if context is not None:
+        context.__exit__(None, None, None)
+        self.tunnel_context = None
+
+
+def replica_server_info(self: Any) -> dict[str, Any]:
+    """The agent's /server_info (applied version, sync state, timings) for `modal run`."""
+    import httpx
+
+    assert _PLAN is not None
+    port = _PLAN.pool(self.pool_name).agent_port
+    return httpx.get(f"http://127.0.0.1:{port}/server_info", timeout=10.0).json()
+
+
+def build_app(plan: ModalPlan, fleet_file: Path | None = None) -> modal.App:
+    """The `modal.App` for `plan`; needs `modal` installed (not credentials)."""
+    import modal
+
+    global _PLAN
+    _PLAN = plan
+    app = modal.App(plan.app_name)
+    cp = plan.controlplane
+    cp_image = _image(cp.image, fleet_file)
+    app.function(
+        image=cp_image,
+        name=CONTROLPLANE_FUNCTION,
+        secrets=[modal.Secret.from_name(s) for s in cp.secrets],
+        volumes=_volume_map(cp.volumes),
+        min_containers=cp.min_containers,
+        max_containers=cp.max_containers,
+    )(
+        modal.concurrent(max_inputs=cp.concurrency)(
+            modal.web_server(port=cp.port, startup_timeout=300)(serve_controlplane)
+        )
+    )
+    app.function(
+        image=cp_image,
+        name=MIGRATE_FUNCTION,
+        secrets=[modal.Secret.from_name(s) for s in cp.secrets],
+        timeout=600,
+    )(migrate)
+    for pool in plan.pools:
+        body = {
+            "__module__": __name__,
+            "__qualname__": pool.class_name,
+            "pool_name": pool.name,
+            "start": modal.enter()(replica_start),
+            "stop": modal.exit()(replica_stop),
+            "server_info": modal.method()(replica_server_info),
+        }
+        replica_cls = type(pool.class_name, (), body)
+        # Containers import this module and look the class up by name.
+        globals()[pool.class_name] = app.cls(
+            image=_image(pool.image, fleet_file),
+            gpu=pool.gpu,
+            secrets=[modal.Secret.from_name(s) for s in pool.secrets],
+            volumes=_volume_map(pool.volumes),
+            min_containers=pool.min_containers,
+            max_containers=pool.max_containers,
+            timeout=pool.startup_timeout_s,
+        )(replica_cls)
+    return app
+
+
+def _app_from_environment() -> modal.App | None:
+    path = os.environ.get(FLEET_ENV)
+    if not path or importlib.util.find_spec("modal") is None:
+        return None
+    return build_app(build_plan(load_fleet(path)), Path(path))
+
+
+app = _app_from_environment()

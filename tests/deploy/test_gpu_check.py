@@ -1,0 +1,47 @@
+"""The GPU check imports and plans without a GPU; its agent command parses for real.
+
+Running it needs an NVIDIA GPU and SGLang (see docs/gpu-check.md); CI only holds it to its
+interface here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from deploy import gpu_check
+from deploy.replica import agent_argv
+from tests.deploy.real_cli import parse_tether
+
+
+def test_help_describes_the_check_without_touching_a_gpu() -> None:
+    result = CliRunner().invoke(gpu_check.app, ["--help"])
+    assert result.exit_code == 0
+    assert "--plan" in result.output and "--engine" in result.output
+
+
+def test_plan_prints_both_engines_and_agents_and_runs_nothing(tmp_path: Path) -> None:
+    work = tmp_path / "never-created"
+    result = CliRunner().invoke(
+        gpu_check.app, ["--plan", "--work-dir", str(work)], terminal_width=400
+    )
+    assert result.exit_code == 0, result.output
+    assert "sglang.launch_server" in result.output
+    assert "--quantization fp8" in result.output
+    assert result.output.count("tether agent run") == 2
+    assert not work.exists()
+
+
+def test_checked_agents_use_command_lines_the_real_parser_accepts(tmp_path: Path) -> None:
+    for precision in gpu_check.PRECISIONS:
+        spec = gpu_check.replica_spec(tmp_path, precision, False, f"file://{tmp_path}/store")
+        command, params = parse_tether(agent_argv(spec))
+        assert command == "tether agent run"
+        assert params["precision"] == precision
+        assert params["control_plane"] is None, "the check follows the store pointer alone"
+
+
+def test_an_unknown_engine_kind_is_refused_with_exit_code_2(tmp_path: Path) -> None:
+    result = CliRunner().invoke(gpu_check.app, ["--engine", "vllm", "--work-dir", str(tmp_path)])
+    assert result.exit_code == 2
