@@ -9,6 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.refit import training_step
 from store.tensors import RawTensor
 from tests.fixtures.processes import (
     TETHER,
@@ -47,23 +48,6 @@ def bf16_engine(
 
 ADMIN_TOKEN = "tth_agent-tests-admin-0123456789abcdef"
 AGENT_START_DEADLINE_S = 120.0
-
-
-def training_step(tensors: dict[str, RawTensor], seed: int) -> dict[str, RawTensor]:
-    """A training-like update: about 5% of each tensor's values move a little (finite values
-    only, so every engine can hold the result bit for bit)."""
-    import torch
-
-    from store.torch_bridge import raw_to_state_dict, to_raw
-
-    generator = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, tensor in raw_to_state_dict(tensors).items():
-        values = tensor.float()
-        mask = torch.rand(values.shape, generator=generator) < 0.05
-        step = torch.randn(values.shape, generator=generator) * 1e-2
-        out[name] = to_raw((values + mask * step).to(tensor.dtype))
-    return out
 
 
 class VersionChain:

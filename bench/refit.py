@@ -1,0 +1,294 @@
+"""Refit benchmark: how long a published delta pauses generation, staged vs naive reload.
+
+Builds a ~200M-parameter Qwen3-shaped reference model (the tiny model's generator with
+bigger dimensions), publishes it as v0 to a folder store, serves it with the CPU reference
+engine behind an engine agent (no control plane: the agent follows the store pointer), keeps
+a client generating through the agent, publishes a delta v1 and measures:
+
+- `staging_s`: the agent's fetch + fold/verify + convert + write, while the engine serves;
+- `pause_s`: how long the engine was paused for the commit (pause → load → continue);
+- `requests_during_staging`: client requests completed inside the staging window;
+- `full_reload_pause_s`: the naive refit, where the engine stops serving until a fresh
+  engine process has built the model from the new checkpoint folder (a restart);
+- `unstaged_update_pause_s`: the other naive refit, pausing first and then fetching,
+  folding, writing and `update_weights_from_disk` with nothing prepared in advance.
+
+Run: `tether bench refit` or `python -m bench.refit`. The last line printed is one JSON
+object with the figures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+RUN = "refit-bench"
+
+
+def training_step(tensors: dict, seed: int, fraction: float = 0.05) -> dict:
+    """A training-like update of canonical tensors (`RawTensor`s): about `fraction` of each
+    tensor's values move a little; every value stays finite."""
+    import torch
+
+    from store.torch_bridge import raw_to_state_dict, to_raw
+
+    generator = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, tensor in raw_to_state_dict(tensors).items():
+        values = tensor.float()
+        mask = torch.rand(values.shape, generator=generator) < fraction
+        step = torch.randn(values.shape, generator=generator) * 1e-2
+        out[name] = to_raw((values + mask * step).to(tensor.dtype))
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _spawn(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(15)
+
+
+def _wait(url: str, process: subprocess.Popen, log: Path, deadline_s: float, ok=None) -> None:  # type: ignore[no-untyped-def]
+    import httpx
+
+    check = ok or (lambda reply: reply.status_code == 200)
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if process.poll() is not None:
+            raise RuntimeError(f"{process.args[:3]} exited:\n{log.read_text()[-3000:]}")
+        try:
+            if check(httpx.get(url, timeout=5.0)):
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)  # polling interval, bounded by the deadline
+    raise TimeoutError(f"{url} not ready within {deadline_s}s (log: {log})")
+
+
+def _client_loop(url: str, stop: threading.Event, done: list[float], tokens: int) -> None:
+    import httpx
+
+    body = {"text": "1 + 2 =", "sampling_params": {"max_new_tokens": tokens, "temperature": 0}}
+    with httpx.Client(timeout=120) as client:
+        while not stop.is_set():
+            try:
+                if client.post(f"{url}/generate", json=body).status_code == 200:
+                    done.append(time.time())
+            except httpx.HTTPError:
+                pass
+
+
+def run(
+    hidden: int = 1024,
+    layers: int = 16,
+    heads: int = 16,
+    kv_heads: int = 8,
+    head_dim: int = 64,
+    intermediate: int = 3072,
+    precision: str = "bf16",
+    client_tokens: int = 4,
+    work_dir: Path | None = None,
+) -> dict[str, Any]:
+    """Measure one staged refit against naive reloads on a model of the given dimensions."""
+    import httpx
+    from rich.console import Console
+    from rich.table import Table
+
+    from engine_agent.precision.checkpoint import (
+        copy_side_files,
+        read_tensors,
+        write_safetensors_folder,
+    )
+    from engine_agent.tiny_model import TinyModelSpec, init_tiny_model
+    from store.codecs import encode_version
+    from store.store import Store
+    from store.torch_bridge import raw_to_state_dict, state_dict_to_raw
+    from store.types import VersionRef
+
+    console = Console()
+    tether = str(Path(sys.executable).with_name("tether"))
+    scratch = (
+        tempfile.TemporaryDirectory(prefix="tether-bench-refit-") if work_dir is None else None
+    )
+    root = Path(scratch.name) if scratch else Path(work_dir)  # type: ignore[arg-type]
+    root.mkdir(parents=True, exist_ok=True)
+    processes: list[subprocess.Popen] = []
+    try:
+        with console.status("building the model and publishing v0"):
+            spec = TinyModelSpec(
+                hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
+                head_dim=head_dim, intermediate=intermediate,
+            )  # fmt: skip
+            boot = init_tiny_model(root / "boot", spec)
+            if precision != "bf16":
+                from engine_agent.precision import convert_checkpoint
+
+                convert_checkpoint(boot, precision, root / f"boot-{precision}")
+            served_boot = boot if precision == "bf16" else root / f"boot-{precision}"
+            v0 = state_dict_to_raw(read_tensors(boot))
+            parameters = sum(t.numel for t in v0.values())
+            store = Store(str(root / "store"))
+            store.create_run(RUN)
+            store.publish(
+                VersionRef(RUN, 0),
+                encode_version(v0, None, version=0, base_version=None, codec="full"),
+            )
+        engine_port, agent_port = _free_port(), _free_port()
+        engine_url, agent_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{agent_port}"
+        with console.status("starting the engine and its agent"):
+            engine = _spawn([tether, "engine", "reference", "--model", str(served_boot),
+                             "--port", str(engine_port)], root / "engine.log")  # fmt: skip
+            processes.append(engine)
+            agent = _spawn(
+                [tether, "agent", "run", "--engine-url", engine_url, "--precision", precision,
+                 "--store", str(root / "store"), "--run", RUN, "--port", str(agent_port),
+                 "--boot-model", str(served_boot), "--boot-version", "0",
+                 "--work-dir", str(root / "agent")],
+                root / "agent.log",
+                {"TETHER_AGENT_POINTER_POLL_S": "0.2"},
+            )  # fmt: skip
+            processes.append(agent)
+            _wait(f"{engine_url}/ready", engine, root / "engine.log", 600)
+            _wait(f"{agent_url}/health", agent, root / "agent.log", 600)
+
+        stop, done = threading.Event(), []
+        client = threading.Thread(
+            target=_client_loop, args=(agent_url, stop, done, client_tokens), daemon=True
+        )
+        client.start()
+        with console.status("publishing v1 (delta) and waiting for the agent's commit"):
+            v1 = training_step(v0, seed=1)
+            files = encode_version(v1, v0, version=1, base_version=0, codec="sparse")
+            published_at = time.time()
+            store.publish(VersionRef(RUN, 1), files)
+            _wait(
+                f"{agent_url}/server_info", agent, root / "agent.log", 900,
+                ok=lambda r: r.json()["applied_version"] == 1,
+            )  # fmt: skip
+        stop.set()
+        client.join(120)
+        last = httpx.get(f"{agent_url}/server_info", timeout=10).json()["last_pass"]
+        commit_started = last["finished_at"] - last["commit_s"]
+        staging_started = commit_started - last["stage_s"]
+        during = sum(1 for t in done if staging_started <= t <= commit_started)
+        _stop(agent)
+
+        # Naive 1: pause, then fetch + fold + write + load with nothing prepared in advance.
+        with console.status("naive refit: unstaged update_weights_from_disk"):
+            v2 = training_step(v1, seed=2)
+            store.publish(
+                VersionRef(RUN, 2),
+                encode_version(v2, None, version=2, base_version=None, codec="full"),
+            )
+            with httpx.Client(base_url=engine_url, timeout=900) as http:
+                started = time.perf_counter()
+                http.post("/pause_generation", json={"mode": "abort"})
+                tensors = store.materialize(RUN, 2)
+                folder = root / "naive-v2"
+                if precision == "bf16":
+                    write_safetensors_folder(folder, raw_to_state_dict(tensors))
+                    copy_side_files(boot, folder)
+                    (folder / "config.json").write_text((boot / "config.json").read_text())
+                else:
+                    from engine_agent.precision import convert_checkpoint
+
+                    convert_checkpoint(
+                        raw_to_state_dict(tensors),
+                        precision,
+                        folder,
+                        config=json.loads((boot / "config.json").read_text()),
+                        side_files_from=boot,
+                    )
+                reply = http.post(
+                    "/update_weights_from_disk",
+                    json={"model_path": str(folder), "weight_version": "2"},
+                )
+                http.post("/continue_generation", json={})
+                unstaged_pause = time.perf_counter() - started
+                assert reply.status_code == 200, reply.text
+        _stop(engine)
+
+        # Naive 2: the engine restarts from the new folder (constructs the model again).
+        with console.status("naive refit: restart the engine on the new checkpoint"):
+            port = _free_port()
+            started = time.perf_counter()
+            fresh = _spawn([tether, "engine", "reference", "--model", str(folder),
+                            "--port", str(port)], root / "restart.log")  # fmt: skip
+            processes.append(fresh)
+            _wait(f"http://127.0.0.1:{port}/ready", fresh, root / "restart.log", 900)
+            restart_pause = time.perf_counter() - started
+            _stop(fresh)
+    finally:
+        for process in processes:
+            _stop(process)
+        if scratch is not None:
+            scratch.cleanup()
+
+    figures = {
+        "parameters": parameters,
+        "precision": precision,
+        "staging_s": round(last["stage_s"], 4),
+        "fetch_s": round(last["fetch_s"], 4),
+        "fold_verify_s": round(last["fold_verify_s"], 4),
+        "convert_s": round(last["convert_s"], 4),
+        "write_s": round(last["write_s"], 4),
+        "pause_s": round(last["pause_s"], 4),
+        "commit_s": round(last["commit_s"], 4),
+        "publish_to_commit_s": round(last["finished_at"] - published_at, 4),
+        "requests_during_staging": during,
+        "full_reload_pause_s": round(restart_pause, 4),
+        "unstaged_update_pause_s": round(unstaged_pause, 4),
+        "pause_over_full_reload": round(last["pause_s"] / restart_pause, 4),
+        "pause_over_unstaged_update": round(last["pause_s"] / unstaged_pause, 4),
+    }
+    table = Table("refit", "engine paused (s)", "vs staged")
+    table.add_row("staged by the agent (commit only)", f"{figures['pause_s']:.3f}", "1.00x")
+    for label, key in (
+        ("naive: restart the engine on the folder", "full_reload_pause_s"),
+        ("naive: pause, fetch, fold, write, load", "unstaged_update_pause_s"),
+    ):
+        ratio = figures[key] / max(figures["pause_s"], 1e-9)
+        table.add_row(label, f"{figures[key]:.3f}", f"{ratio:.1f}x")
+    console.print(table)
+    console.print(
+        f"{parameters / 1e6:.0f}M parameters ({precision}); staging {figures['staging_s']:.2f}s "
+        f"outside the pause, {during} requests completed meanwhile"
+    )
+    print(json.dumps(figures))
+    return figures
+
+
+if __name__ == "__main__":
+    import typer
+
+    typer.run(run)

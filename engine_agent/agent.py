@@ -1,0 +1,356 @@
+"""`Agent`: one engine agent process, composed from its parts.
+
+Owns the process lifecycle: find out what the engine serves, open the versioned proxy,
+register with the control plane (when there is one), then run side by side until SIGTERM /
+SIGINT or a terminal failure:
+
+- the reconciler (`engine_agent.reconciler`), which stages and commits versions;
+- the heartbeat loop (applied version, sync state, staging, in-flight, last error), which
+  registers again when the control plane answers 404 and sends at once on every change;
+- the target long-poll, which hands the control plane's assignment to the reconciler;
+- the engine monitor, which takes the engine out of routing while it does not answer.
+
+On the way out it deregisters. `run()` returns the exit code: 0 after a signal,
+`EXIT_UNRECOVERABLE` after a failed commit, `EXIT_STARTUP` if the engine never answered.
+Must never implement staging, admission or forwarding itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import uvicorn
+
+from controlplane.schema import EngineRegister
+from engine_agent.control_client import ControlClient
+from engine_agent.engines.base import Engine
+from engine_agent.engines.sglang import SGLangEngine
+from engine_agent.errors import (
+    AgentError,
+    ControlPlaneUnavailable,
+    EngineNotRegistered,
+    EngineUnreachable,
+    UnrecoverableEngineError,
+)
+from engine_agent.gate import AdmissionGate
+from engine_agent.proxy import VersionedProxy
+from engine_agent.reconciler import Reconciler
+from engine_agent.settings import AgentSettings
+from engine_agent.staging import Stager
+from engine_agent.status import AgentStatus
+from store.store import Store
+
+log = logging.getLogger(__name__)
+
+EXIT_STARTUP = 1
+EXIT_UNRECOVERABLE = 3
+ENGINE_START_DEADLINE_S = 300.0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: the agent owns SIGTERM/SIGINT."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class Agent:
+    """The sidecar of one engine; build with settings, then `await run()`."""
+
+    def __init__(self, settings: AgentSettings, engine: Engine | None = None) -> None:
+        self.settings = settings
+        self.engine = engine or SGLangEngine(
+            settings.engine_url, load_timeout_s=settings.engine_load_timeout_s
+        )
+        self.store = Store(settings.store)
+        self.status = AgentStatus()
+        self.gate = AdmissionGate(
+            None, wait_s=settings.admission_wait_s, on_reject=lambda _c: self.reconciler.wake()
+        )
+        self.control = (
+            ControlClient(settings.control_plane, settings.token)
+            if settings.control_plane
+            else None
+        )
+        self.engine_id: str | None = None
+        self.heartbeat_interval_s = 2.0
+        self._beat = asyncio.Event()
+        self._stop = asyncio.Event()
+        self.reconciler = Reconciler(
+            engine=self.engine,
+            gate=self.gate,
+            store=self.store,
+            stager=Stager(settings.work_dir, settings.precision.value, settings.boot_model),
+            status=self.status,
+            run_id=settings.run,
+            pause_mode=settings.pause_mode,
+            exact_drain_s=settings.exact_drain_s,
+            quiesce_drain_s=settings.quiesce_drain_s,
+            poll_s=settings.pointer_poll_s,
+            retry_initial_s=settings.retry_initial_s,
+            retry_max_s=settings.retry_max_s,
+            follow_control_plane=self.control is not None,
+            on_change=self._changed,
+        )
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((settings.host, settings.port))
+        self.url = settings.advertise_url or f"http://{settings.host}:{self.sock.getsockname()[1]}"
+        self.proxy = VersionedProxy(
+            engine_url=settings.engine_url,
+            gate=self.gate,
+            status=self.status,
+            precision=settings.precision,
+            run_id=settings.run,
+            server_info=self.server_info,
+            on_engine_error=self._engine_down,
+        )
+
+    # ---- reporting -----------------------------------------------------------------------
+
+    def server_info(self) -> dict[str, Any]:
+        status = self.status
+        passes = [p.as_dict() for p in status.passes]
+        return {
+            "agent_url": self.url,
+            "engine_url": self.settings.engine_url,
+            "engine_id": self.engine_id,
+            "run_id": self.settings.run,
+            "precision": self.settings.precision.value,
+            "pause_mode": self.settings.pause_mode.value,
+            "applied_version": status.applied_version,
+            "served_version": self.gate.served_version,
+            "target_version": self.reconciler.assigned,
+            "sync_state": status.sync_state.value,
+            "caught_up": status.caught_up,
+            "staging_target": status.staging_target,
+            "staging_progress": round(status.staging_progress, 4),
+            "last_error": status.last_error,
+            "engine_reachable": status.engine_reachable,
+            "in_flight": self.gate.in_flight,
+            "admission_open": self.gate.is_open,
+            "last_pass": passes[-1] if passes else None,
+            "passes": passes,
+            "uptime_s": round(time.time() - status.started_at, 3),
+        }
+
+    async def _changed(self) -> None:
+        self._beat.set()
+
+    def _engine_down(self, message: str) -> None:
+        if self.status.engine_reachable:
+            log.error("engine out of service: %s", message)
+        self.status.engine_reachable = False
+        self.status.last_error = f"EngineUnreachable: {message}"
+        self._beat.set()
+
+    # ---- startup -------------------------------------------------------------------------
+
+    async def _boot(self) -> None:
+        """Learn what the engine serves; label it with the boot version if one was given."""
+        deadline = time.monotonic() + ENGINE_START_DEADLINE_S
+        while True:
+            try:
+                info = await self.engine.info()
+                break
+            except EngineUnreachable as exc:
+                if time.monotonic() > deadline:
+                    raise
+                log.info("waiting for the engine: %s", exc)
+                await asyncio.sleep(1.0)
+        boot = self.settings.boot_version
+        if boot is not None:
+            if info.weight_version != str(boot):
+                await self.engine.relabel(boot)
+        else:
+            try:
+                boot = int(info.weight_version)
+            except ValueError:
+                boot = None
+        self.status.applied_version = boot
+        await self.gate.reopen(boot)
+        if boot is not None and self.settings.boot_model is not None:
+            tensors = await asyncio.to_thread(_canonical_boot_tensors, self.settings)
+            if tensors is not None:
+                self.reconciler.hold(boot, tensors)
+        log.info(
+            "engine %s serves v%s (%s) for run %s",
+            self.settings.engine_url,
+            boot,
+            self.settings.precision.value,
+            self.settings.run,
+        )
+
+    # ---- control plane -------------------------------------------------------------------
+
+    async def _register(self) -> None:
+        assert self.control is not None
+        body = EngineRegister(
+            url=self.url,
+            run_id=self.settings.run,
+            precision=self.settings.precision,
+            accelerator=self.settings.accelerator,
+            capacity=self.settings.capacity,
+            labels=self.settings.labels,
+            applied_version=self.status.applied_version,
+            sync_state=self.status.sync_state,
+        )
+        reply = await self.control.register(body)
+        self.engine_id = reply.engine_id
+        self.heartbeat_interval_s = reply.heartbeat_interval_s
+        log.info("registered as engine %s at %s", reply.engine_id, self.control.url)
+        self.reconciler.assign(reply.target_version)
+
+    async def _heartbeats(self) -> None:
+        assert self.control is not None
+        backoff = 0.5
+        while True:
+            try:
+                if self.engine_id is None:
+                    await self._register()
+                reply = await self.control.heartbeat(
+                    self.engine_id or "", self.status.heartbeat(self.gate.in_flight)
+                )
+                if reply.target_version != self.reconciler.assigned:
+                    self.reconciler.assign(reply.target_version)
+                backoff = 0.5
+                wait = self.heartbeat_interval_s
+            except EngineNotRegistered:
+                log.warning("control plane forgot engine %s; registering again", self.engine_id)
+                self.engine_id = None
+                continue
+            except ControlPlaneUnavailable as exc:
+                log.warning("heartbeat failed: %s", exc)
+                wait, backoff = backoff, min(backoff * 2, 10.0)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait):
+                    await self._beat.wait()
+            self._beat.clear()
+
+    async def _targets(self) -> None:
+        assert self.control is not None
+        while True:
+            if self.engine_id is None:
+                await asyncio.sleep(0.2)
+                continue
+            try:
+                reply = await self.control.wait_target(
+                    self.engine_id, self.reconciler.assigned, self.settings.long_poll_s
+                )
+            except (EngineNotRegistered, ControlPlaneUnavailable) as exc:
+                log.info("target long-poll: %s", exc)
+                await asyncio.sleep(1.0)
+                continue
+            if reply.changed:
+                self.reconciler.assign(reply.target_version)
+
+    # ---- engine --------------------------------------------------------------------------
+
+    async def _monitor_engine(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.engine_probe_s)
+            if not self.gate.is_open:
+                continue  # a commit is talking to the engine; it reports its own failures
+            try:
+                info = await self.engine.info()
+            except AgentError as exc:
+                self._engine_down(str(exc))
+                continue
+            if not self.status.engine_reachable:
+                log.info("engine answers again (label %s)", info.weight_version)
+                self.status.engine_reachable = True
+                if info.weight_version != str(self.status.applied_version):
+                    self.status.last_error = (
+                        f"engine came back labelled {info.weight_version!r}, expected "
+                        f"v{self.status.applied_version}; staying out of routing"
+                    )
+                    self.status.terminal = True
+                else:
+                    self.status.last_error = None
+                self._beat.set()
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop.set)
+        boot = asyncio.create_task(self._boot(), name="boot")
+        stop = asyncio.create_task(self._stop.wait(), name="stop")
+        await asyncio.wait({boot, stop}, return_when=asyncio.FIRST_COMPLETED)
+        if not boot.done():
+            boot.cancel()
+            log.info("stopped before the engine answered")
+            return 0
+        try:
+            boot.result()
+        except AgentError as exc:
+            stop.cancel()
+            log.error("engine at %s never answered: %s", self.settings.engine_url, exc)
+            return EXIT_STARTUP
+        config = uvicorn.Config(
+            self.proxy.app(), log_level="warning", access_log=False, lifespan="off"
+        )
+        server = _Server(config)
+        tasks = {asyncio.create_task(server.serve(sockets=[self.sock]), name="proxy")}
+        tasks.add(asyncio.create_task(self.reconciler.run(), name="reconciler"))
+        tasks.add(asyncio.create_task(self._monitor_engine(), name="engine monitor"))
+        if self.control is not None:
+            tasks.add(asyncio.create_task(self._heartbeats(), name="heartbeats"))
+            tasks.add(asyncio.create_task(self._targets(), name="targets"))
+        log.info("engine agent for %s listening on %s", self.settings.engine_url, self.url)
+        code = 0
+        try:
+            done, _ = await asyncio.wait({stop, *tasks}, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task is stop or task.cancelled():
+                    continue
+                exc = task.exception()
+                if isinstance(exc, UnrecoverableEngineError):
+                    log.error("terminal %s: %s", type(exc).__name__, exc)
+                    code = EXIT_UNRECOVERABLE
+                elif exc is not None:
+                    log.error("%s failed", task.get_name(), exc_info=exc)
+                    code = EXIT_UNRECOVERABLE
+        finally:
+            await self._shutdown(server, tasks | {stop})
+        return code
+
+    async def _shutdown(self, server: uvicorn.Server, tasks: set[asyncio.Task]) -> None:
+        log.info("shutting down")
+        started = time.perf_counter()
+        if self.control is not None and self.engine_id is not None:
+            try:
+                await self.control.deregister(self.engine_id)
+                log.info("deregistered engine %s", self.engine_id)
+            except ControlPlaneUnavailable as exc:
+                log.warning("could not deregister (the lease will lapse): %s", exc)
+        server.should_exit = True
+        for task in tasks:
+            if task.get_name() != "proxy":
+                task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.proxy.close()
+        await self.engine.close()
+        if self.control is not None:
+            await self.control.close()
+        log.info("stopped in %.2fs", time.perf_counter() - started)
+
+
+def _canonical_boot_tensors(settings: AgentSettings) -> dict | None:
+    """The boot folder's tensors as canonical `RawTensor`s when it is BF16 (else None)."""
+    from engine_agent.precision.checkpoint import read_config, read_tensors
+    from store.torch_bridge import state_dict_to_raw
+
+    assert settings.boot_model is not None
+    if "quantization_config" in read_config(settings.boot_model):
+        return None
+    return state_dict_to_raw(read_tensors(settings.boot_model))

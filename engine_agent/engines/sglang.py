@@ -1,0 +1,105 @@
+"""`SGLangEngine`: the engine port over SGLang's HTTP API (sglang-api spec §5).
+
+Works with SGLang 0.5.17+ and the CPU reference engine, which speaks the same subset. The
+commit sequence it implements is `/pause_generation` → `/update_weights_from_disk` →
+`/continue_generation`; it never sends `flush_cache: true` under `in_place` (that fails, or
+crashes SGLang ≤0.5.21, while requests are running) and relies on `extra_key` namespacing
+instead. Must never decide when to update: that is the reconciler's job.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import httpx
+
+from engine_agent.engines.base import Engine, EngineInfo, PauseMode, UpdateResult
+from engine_agent.errors import EngineRefused, EngineUnreachable
+
+log = logging.getLogger(__name__)
+
+# SGLang pause mode used for each of the agent's modes.
+_SGLANG_PAUSE = {PauseMode.IN_PLACE: "in_place", PauseMode.QUIESCE: "retract"}
+
+
+class SGLangEngine(Engine):
+    """An SGLang (or reference) server at `url`, e.g. `http://127.0.0.1:30000`."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        api_key: str | None = None,
+        control_timeout_s: float = 10.0,
+        load_timeout_s: float = 600.0,
+    ) -> None:
+        self.url = url.rstrip("/")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = httpx.AsyncClient(
+            base_url=self.url, headers=headers, timeout=control_timeout_s
+        )
+        self._load_timeout_s = load_timeout_s
+
+    def __repr__(self) -> str:
+        return f"SGLangEngine({self.url!r})"
+
+    async def _call(
+        self, method: str, path: str, body: dict[str, Any] | None = None, **kwargs: Any
+    ) -> httpx.Response:
+        try:
+            reply = await self._client.request(method, path, json=body, **kwargs)
+        except httpx.HTTPError as exc:
+            raise EngineUnreachable(
+                f"engine at {self.url} did not answer {method} {path}: "
+                f"{type(exc).__name__}: {exc}; check that the engine process is running"
+            ) from exc
+        if reply.status_code >= 400:
+            raise EngineRefused(
+                f"engine at {self.url} answered {method} {path} with {reply.status_code}: "
+                f"{reply.text[:500]}"
+            )
+        return reply
+
+    async def info(self) -> EngineInfo:
+        body = (await self._call("GET", "/model_info")).json()
+        return EngineInfo(
+            model_path=str(body.get("model_path", "")),
+            weight_version=str(body.get("weight_version", "")),
+        )
+
+    async def pause(self, mode: PauseMode) -> None:
+        await self._call("POST", "/pause_generation", {"mode": _SGLANG_PAUSE[mode]})
+
+    async def resume(self) -> None:
+        await self._call("POST", "/continue_generation", {"torch_empty_cache": False})
+
+    async def load_from_disk(self, model_path: str, version: int, mode: PauseMode) -> UpdateResult:
+        body = {
+            "model_path": model_path,
+            "weight_version": str(version),
+            # Flushing while in_place-paused requests hold KV fails; extra_key isolates instead.
+            "flush_cache": mode is not PauseMode.IN_PLACE,
+            "abort_all_requests": False,
+        }
+        started = time.perf_counter()
+        reply = await self._call(
+            "POST", "/update_weights_from_disk", body, timeout=self._load_timeout_s
+        )
+        payload = reply.json()
+        if not payload.get("success", False):
+            raise EngineRefused(
+                f"engine at {self.url} did not load {model_path}: {payload.get('message')}"
+            )
+        return UpdateResult(str(payload.get("message", "")), time.perf_counter() - started)
+
+    async def relabel(self, version: int) -> None:
+        body = {"new_version": str(version), "abort_all_requests": False}
+        await self._call("POST", "/update_weight_version", body)
+
+    async def abort(self, rid: str) -> None:
+        await self._call("POST", "/abort_request", {"rid": rid})
+
+    async def close(self) -> None:
+        await self._client.aclose()

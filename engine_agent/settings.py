@@ -1,0 +1,85 @@
+"""The engine agent's one settings object, read from flags and `TETHER_AGENT_*` variables.
+
+A few values are shared with other Tether processes and also read from their common
+variable: the token from `TETHER_TOKEN`, the store URL from `TETHER_STORE`, the control
+plane from `TETHER_CONTROL_PLANE`. Owns configuration only; starts nothing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import AliasChoices, Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from controlplane.schema import Precision
+from engine_agent.engines.base import PauseMode
+
+
+class AgentSettings(BaseSettings):
+    """Everything one engine agent process needs (one agent per engine)."""
+
+    model_config = SettingsConfigDict(env_prefix="TETHER_AGENT_", extra="ignore")
+
+    engine_url: str
+    precision: Precision
+    run: str = Field(validation_alias=AliasChoices("run", "TETHER_AGENT_RUN", "TETHER_RUN"))
+    store: str = Field(validation_alias=AliasChoices("store", "TETHER_AGENT_STORE", "TETHER_STORE"))
+    control_plane: str | None = Field(
+        default=None,
+        validation_alias=AliasChoices(
+            "control_plane", "TETHER_AGENT_CONTROL_PLANE", "TETHER_CONTROL_PLANE"
+        ),
+    )
+    token: str | None = Field(
+        default=None,
+        repr=False,
+        validation_alias=AliasChoices("token", "TETHER_AGENT_TOKEN", "TETHER_TOKEN"),
+    )
+    # The agent's own proxy: the URL it registers, where clients and the router send requests.
+    host: str = "127.0.0.1"
+    port: int = Field(default=0, ge=0, le=65535)
+    advertise_url: str | None = None
+    # The checkpoint the engine booted from: config/tokenizer files for staged folders, the
+    # NVFP4 input scales, and (BF16 boot) the canonical tensors of `boot_version`.
+    boot_model: Path | None = None
+    boot_version: int | None = Field(default=None, ge=0)
+    work_dir: Path = Path("./.tether/agent")
+    pause_mode: PauseMode = PauseMode.IN_PLACE
+    accelerator: str = "cpu"
+    capacity: int = Field(default=1, ge=1)
+    labels: dict[str, str] = Field(default_factory=dict)
+    # Timing knobs (seconds).
+    admission_wait_s: float = Field(default=30.0, gt=0)
+    exact_drain_s: float = Field(default=30.0, ge=0)
+    quiesce_drain_s: float = Field(default=60.0, ge=0)
+    pointer_poll_s: float = Field(default=1.0, gt=0)
+    long_poll_s: float = Field(default=20.0, gt=0)
+    engine_probe_s: float = Field(default=1.0, gt=0)
+    engine_load_timeout_s: float = Field(default=600.0, gt=0)
+    retry_initial_s: float = Field(default=1.0, gt=0)
+    retry_max_s: float = Field(default=30.0, gt=0)
+    log_level: str = "info"
+
+    @field_validator("engine_url", "control_plane", "advertise_url")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        if not value.startswith(("http://", "https://")):
+            raise ValueError(f"expected an http:// or https:// URL, found {value!r}")
+        return value.rstrip("/")
+
+    @field_validator("labels", mode="before")
+    @classmethod
+    def _labels(cls, value: object) -> object:
+        """Accept `["k=v", ...]` (the CLI's repeated --label) as well as a mapping."""
+        if isinstance(value, list | tuple):
+            labels = {}
+            for item in value:
+                key, sep, val = str(item).partition("=")
+                if not sep or not key:
+                    raise ValueError(f"labels must look like key=value, found {item!r}")
+                labels[key] = val
+            return labels
+        return value

@@ -1,0 +1,82 @@
+"""`AgentStatus`: what one engine agent reports about itself, in one place.
+
+The reconciler and the engine monitor write it; the heartbeat, `/health` and `/server_info`
+read it. Owns the rule that turns the facts into a `SyncState`:
+
+- `error` while the engine does not answer or after a failed commit (out of routing);
+- `booting` until the first catch-up has finished (out of routing, `/health` 503);
+- `syncing` while a newer version is staged (still serving `applied_version`);
+- `ready` otherwise.
+
+Must never do I/O.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from controlplane.schema import Heartbeat, SyncState
+
+
+@dataclass
+class PassTimings:
+    """Seconds spent in each step of one reconcile pass (0 for steps it skipped)."""
+
+    target: int
+    base: int | None = None
+    fetch_s: float = 0.0
+    fold_verify_s: float = 0.0
+    convert_s: float = 0.0
+    write_s: float = 0.0
+    stage_s: float = 0.0
+    drain_s: float = 0.0
+    pause_s: float = 0.0
+    commit_s: float = 0.0
+    restaged_for: int | None = None
+    outcome: str = "running"
+    finished_at: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: round(v, 6) if isinstance(v, float) else v for k, v in asdict(self).items()}
+
+
+@dataclass
+class AgentStatus:
+    """Mutable facts about one agent and its engine (event loop and staging threads)."""
+
+    applied_version: int | None = None
+    caught_up: bool = False
+    staging_target: int | None = None
+    staging_progress: float = 0.0
+    last_error: str | None = None
+    engine_reachable: bool = True
+    terminal: bool = False
+    passes: deque[PassTimings] = field(default_factory=lambda: deque(maxlen=8))
+    started_at: float = field(default_factory=time.time)
+
+    @property
+    def sync_state(self) -> SyncState:
+        if self.terminal or not self.engine_reachable:
+            return SyncState.ERROR
+        if not self.caught_up:
+            return SyncState.BOOTING
+        if self.staging_target is not None:
+            return SyncState.SYNCING
+        return SyncState.READY
+
+    @property
+    def healthy(self) -> bool:
+        return self.sync_state in (SyncState.READY, SyncState.SYNCING)
+
+    def heartbeat(self, in_flight: int) -> Heartbeat:
+        return Heartbeat(
+            applied_version=self.applied_version,
+            sync_state=self.sync_state,
+            staging_target=self.staging_target,
+            staging_progress=min(max(self.staging_progress, 0.0), 1.0),
+            in_flight=in_flight,
+            last_error=self.last_error[:4000] if self.last_error else None,
+        )

@@ -1,0 +1,28 @@
+"""The refit benchmark runs end to end on the tiny model and ends with its JSON figures."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ["--hidden", "128", "--layers", "2", "--heads", "4", "--kv-heads", "2",
+        "--head-dim", "32", "--intermediate", "384"]  # fmt: skip
+
+
+def test_refit_bench_prints_its_figures_as_the_last_json_line(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.refit", *TINY, "--work-dir", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=400,
+        check=True,
+    )
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    for key in ("staging_s", "pause_s", "full_reload_pause_s", "pause_over_full_reload"):
+        assert figures[key] > 0, key
+    assert figures["requests_during_staging"] >= 0
+    assert figures["pause_s"] < figures["full_reload_pause_s"]
