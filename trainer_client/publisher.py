@@ -27,7 +27,6 @@ import logging
 import os
 import random
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -501,14 +500,8 @@ class Publisher:
         the GIL, so the encodes overlap)."""
         payloads: dict[int, np.ndarray | None] = {}
         total = len(target)
-        # A codec holds zstd contexts, which must not be shared between threads: each
-        # worker makes its own instance of the codec's class.
-        local = threading.local()
-
-        def encode(tensor: RawTensor, base_tensor: RawTensor) -> np.ndarray | None:
-            if not hasattr(local, "codec"):
-                local.codec = type(codec)()
-            return local.codec.encode_tensor(tensor, base_tensor)
+        # Codecs keep their zstd contexts per thread, so one instance serves every worker.
+        encode = codec.encode_tensor
 
         with ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="encode") as pool:
             futures = {

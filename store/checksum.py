@@ -1,0 +1,20 @@
+"""Tensor checksums: xxh3-128 of a tensor's bytes, as Stitch records them.
+
+Stitch writes `xxhash.xxh3_128(bytes).hexdigest()`: 32 lowercase hex characters of the
+canonical (big-endian) digest. This module only hashes; it never decides what to do on a
+mismatch (callers raise `ChecksumMismatch`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import xxhash
+
+CHECKSUM_FORMAT = "xxh3-128"
+
+
+def tensor_checksum(data: np.ndarray | bytes | bytearray | memoryview) -> str:
+    """xxh3-128 hex digest (32 lowercase hex characters) of the bytes of `data`."""
+    if isinstance(data, np.ndarray) and not data.flags.c_contiguous:
+        data = np.ascontiguousarray(data)
+    return xxhash.xxh3_128_hexdigest(data)

@@ -1,0 +1,107 @@
+"""Folding: applying a chain of versions to a base in one pass per tensor.
+
+Catch-up reads an anchor (or a local base) and the deltas after it. Rather than
+materialising every intermediate version, the fold reads every delta's envelope first, then
+for each tensor copies the base once into a fresh buffer and applies that tensor's payloads
+in chain order, and finally checks the checksum the newest delta recorded for it. Any error
+is raised before a result is returned, and the base's buffers are never written: an engine
+keeps serving its old weights whatever the payload holds.
+
+Must never write into the caller's tensors, and never return a tensor whose checksum was not
+verified (tensors no delta touches are returned as the base's own objects).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from store.checksum import tensor_checksum
+from store.codecs.delta import DeltaCodec, read_delta
+from store.codecs.full import decode_full
+from store.errors import ChecksumMismatch, CorruptPayload, TensorMismatch
+from store.manifest import INDEX_FILENAME, Manifest
+from store.tensors import RawTensor
+from store.types import VersionKind
+
+
+def read_manifest(files: Mapping[str, bytes]) -> Manifest:
+    """The manifest of a version given as files; `CorruptPayload` if its index is missing."""
+    try:
+        index = files[INDEX_FILENAME]
+    except KeyError:
+        raise CorruptPayload(
+            f"the version has no {INDEX_FILENAME}; it is incomplete, fetch it again"
+        ) from None
+    return Manifest.from_index_json(bytes(index))
+
+
+def _check_lineage(manifests: Sequence[Manifest]) -> None:
+    for previous, current in itertools.pairwise(manifests):
+        if current.kind is VersionKind.DELTA and current.base_version != previous.version:
+            raise CorruptPayload(
+                f"delta v{current.version} applies to v{current.base_version}, but the chain "
+                f"gives it v{previous.version}; pass the versions in order without gaps"
+            )
+
+
+def fold_chain(
+    base: Mapping[str, RawTensor] | None, versions: Sequence[Mapping[str, bytes]]
+) -> dict[str, RawTensor]:
+    """The tensors after applying `versions` (oldest first) to `base`.
+
+    A FULL version in the chain replaces everything before it. Raises `CorruptPayload` /
+    `ChecksumMismatch` for bad bytes, `TensorMismatch` for a delta that names tensors the
+    base lacks or a delta chain without a base.
+    """
+    from store.codecs import codec_for_encoding  # the package re-exports this module's fold
+
+    manifests = [read_manifest(files) for files in versions]
+    _check_lineage(manifests)
+    start = 0
+    for i, manifest in enumerate(manifests):
+        if manifest.kind is VersionKind.FULL:
+            base, start = decode_full(versions[i], manifest), i + 1
+    if start == len(versions):
+        if base is None:
+            raise TensorMismatch("nothing to fold: give a base or at least one FULL version")
+        return dict(base)
+    if base is None:
+        raise TensorMismatch(
+            f"delta v{manifests[start].version} needs its base v{manifests[start].base_version}; "
+            "pass the base tensors or start the chain at a FULL version"
+        )
+
+    steps: dict[str, list[tuple[DeltaCodec, np.ndarray]]] = {}
+    final_checksum: dict[str, str] = {}
+    for files, manifest in zip(versions[start:], manifests[start:], strict=True):
+        codec = codec_for_encoding(manifest.delta_encoding or "")
+        for name, entry in read_delta(files, manifest).items():
+            if name not in base:
+                raise TensorMismatch(
+                    f"delta v{manifest.version} changes tensor {name!r}, which the base "
+                    "does not hold; the base is from another checkpoint"
+                )
+            steps.setdefault(name, []).append((codec, entry.payload))
+            final_checksum[name] = entry.checksum
+
+    out: dict[str, RawTensor] = {}
+    for name, tensor in base.items():
+        tensor_steps = steps.get(name)
+        if not tensor_steps:
+            out[name] = tensor
+            continue
+        buffer = tensor.data.copy()
+        for codec, payload in tensor_steps:
+            codec.apply_into(buffer, payload, tensor.itemsize, name)
+        found = tensor_checksum(buffer)
+        if found != final_checksum[name]:
+            raise ChecksumMismatch(
+                f"tensor {name!r} hashes to {found} after the chain, expected "
+                f"{final_checksum[name]}; a payload is corrupt or the base is not the one "
+                "the chain was encoded against"
+            )
+        out[name] = RawTensor(tensor.dtype, tensor.shape, buffer)
+    return out

@@ -1,0 +1,104 @@
+"""Folding a chain of versions: one pass per tensor, same result as applying them one by one."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from store.codecs import decode_version, encode_version, fold
+from store.errors import CorruptPayload, TensorMismatch
+from store.manifest import INDEX_FILENAME
+from store.tensors import RawTensor
+from tests.store.tensor_cases import chains, same_bits
+
+
+def encode_chain(checkpoints, codecs):
+    return [
+        encode_version(checkpoints[i + 1], checkpoints[i], version=i + 1, base_version=i, codec=c)
+        for i, c in enumerate(codecs)
+    ]
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data(), length=st.integers(2, 5))
+def test_fold_of_a_chain_equals_applying_each_delta_and_equals_the_target(data, length):
+    checkpoints = data.draw(chains(length))
+    codecs = data.draw(
+        st.lists(st.sampled_from(["xor", "sparse"]), min_size=length - 1, max_size=length - 1)
+    )
+    deltas = encode_chain(checkpoints, codecs)
+    one_by_one = checkpoints[0]
+    for files in deltas:
+        one_by_one = decode_version(files, one_by_one)
+    folded = fold(checkpoints[0], deltas)
+    assert same_bits(folded, one_by_one)
+    assert same_bits(folded, checkpoints[-1])
+
+
+def small_chain(n: int = 4) -> list[dict[str, RawTensor]]:
+    rng = np.random.default_rng(3)
+    out = [{"a": RawTensor("BF16", (50,), rng.integers(0, 256, 100, np.uint8))}]
+    for _ in range(n - 1):
+        data = out[-1]["a"].data.copy()
+        data[rng.integers(0, 100, 5)] ^= 2
+        out.append({"a": RawTensor("BF16", (50,), data)})
+    return out
+
+
+def test_a_full_version_in_the_chain_restarts_the_fold():
+    cps = small_chain(4)
+    deltas = encode_chain(cps, ["xor", "sparse", "xor"])
+    deltas[1] = encode_version(cps[2], None, version=2, base_version=None, codec="full")
+    assert same_bits(fold(cps[0], deltas), cps[3])
+    assert same_bits(fold(None, deltas[1:]), cps[3])
+
+
+def test_a_chain_with_a_gap_is_refused():
+    cps = small_chain(4)
+    deltas = encode_chain(cps, ["xor", "sparse", "xor"])
+    with pytest.raises(CorruptPayload, match="v2"):
+        fold(cps[0], [deltas[0], deltas[2]])
+
+
+def test_a_delta_chain_without_a_base_is_refused():
+    cps = small_chain(2)
+    with pytest.raises(TensorMismatch, match="base"):
+        fold(None, encode_chain(cps, ["sparse"]))
+
+
+def test_a_corrupt_delta_late_in_the_chain_leaves_the_base_untouched():
+    cps = small_chain(4)
+    base_copy = cps[0]["a"].data.copy()
+    deltas = encode_chain(cps, ["xor", "sparse", "sparse"])
+    shard = next(k for k in deltas[2] if k != INDEX_FILENAME)
+    bad = bytearray(deltas[2][shard])
+    bad[-1] ^= 0xFF
+    deltas[2] = {**deltas[2], shard: bytes(bad)}
+    with pytest.raises(CorruptPayload):
+        fold(cps[0], deltas)
+    assert np.array_equal(cps[0]["a"].data, base_copy)
+
+
+def test_fold_reads_each_file_of_a_lazy_mapping_once():
+    from collections.abc import Mapping
+
+    class CountingFiles(Mapping):
+        def __init__(self, files):
+            self.files, self.reads = files, {}
+
+        def __getitem__(self, key):
+            self.reads[key] = self.reads.get(key, 0) + 1
+            return self.files[key]
+
+        def __iter__(self):
+            return iter(self.files)
+
+        def __len__(self):
+            return len(self.files)
+
+    cps = small_chain(3)
+    lazy = [CountingFiles(f) for f in encode_chain(cps, ["xor", "sparse"])]
+    assert same_bits(fold(cps[0], lazy), cps[2])
+    assert all(count == 1 for files in lazy for count in files.reads.values())
