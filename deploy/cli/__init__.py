@@ -19,10 +19,29 @@ app = typer.Typer(
 
 def _register() -> None:
     # One line per noun; keep them sorted.
-    from deploy.cli import bench, store
+    from deploy.cli import (
+        agent,
+        bench,
+        controlplane,
+        demo,
+        deploy,
+        engine,
+        model,
+        sandbox,
+        store,
+        token,
+    )
 
+    app.add_typer(agent.app, name="agent")
     app.add_typer(bench.app, name="bench")
+    app.add_typer(controlplane.app, name="controlplane")
+    app.add_typer(deploy.app, name="deploy")
+    app.add_typer(engine.app, name="engine")
+    app.add_typer(model.app, name="model")
+    app.add_typer(sandbox.app, name="sandbox")
     app.add_typer(store.app, name="store")
+    app.add_typer(token.app, name="token")
+    app.command("demo")(demo.demo)
 
 
 _register()

@@ -13,10 +13,19 @@ from sandboxes.example import ExampleTask, make_example_task
 from sandboxes.settings import SandboxSettings
 
 
-def _leftovers() -> list[psutil.Process]:
+def _children() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def _leftovers(before: set[int]) -> list[psutil.Process]:
+    """Processes started since `before` was taken, and any process of a sandbox uid.
+
+    Children that were already running (servers of session-scoped fixtures from other
+    test areas) are not the sandbox test's doing.
+    """
     settings = SandboxSettings()
     lease_uids = range(settings.uid_first, settings.uid_first + settings.uid_count)
-    found = list(psutil.Process().children(recursive=True))
+    found = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
     if os.geteuid() == 0:
         for proc in psutil.process_iter(["uids"]):
             uids = proc.info["uids"]
@@ -28,12 +37,13 @@ def _leftovers() -> list[psutil.Process]:
 @pytest.fixture(autouse=True)
 def process_table_stays_clean():
     """Every sandbox test must leave no process of ours or of a sandbox uid behind."""
+    before = _children()
     yield
     deadline = time.monotonic() + 5
-    left = _leftovers()
+    left = _leftovers(before)
     while left and time.monotonic() < deadline:
         psutil.wait_procs(left, timeout=0.2)
-        left = _leftovers()
+        left = _leftovers(before)
     assert not left, f"processes left behind: {[(p.pid, p.cmdline()) for p in left]}"
 
 

@@ -1,0 +1,480 @@
+"""The control plane's FastAPI application: composition and routes.
+
+Owns wiring (settings → database → registry, runs, fleet, proxy, metrics), the lifespan
+(first admin token, snapshot refresher, the shared HTTP client) and the HTTP surface with
+each route's roles. Business rules live in the modules it wires; this module only
+translates HTTP to calls and back. Never imports torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from fastapi import Depends, FastAPI, Query, Request
+from fastapi.responses import Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import ValidationError
+from starlette.requests import ClientDisconnect
+
+from controlplane import db as dbmod
+from controlplane.auth import TokenChecker, ensure_admin_token, mint_token
+from controlplane.errors import ERROR_RESPONSES, EngineUnknown, NoVersionYet, install_handlers
+from controlplane.fleet import Fleet
+from controlplane.metrics import Metrics
+from controlplane.middleware import BodyLimit, RequestMetrics
+from controlplane.pointer import confirm_published
+from controlplane.proxy import Proxy, not_ready, resolve_run, validation_error
+from controlplane.registry import Registry
+from controlplane.router import pick
+from controlplane.runs import Runs
+from controlplane.schema import (
+    MAX_INT,
+    EngineInfo,
+    EngineList,
+    EngineRegister,
+    EngineRegistered,
+    Health,
+    Heartbeat,
+    HeartbeatReply,
+    Precision,
+    Role,
+    RouteAnswer,
+    RunCreate,
+    RunInfo,
+    RunList,
+    TargetPolicy,
+    TargetReply,
+    TokenCreate,
+    TokenCreated,
+    VersionInfo,
+    VersionList,
+    VersionNotify,
+    WeightVersionSpec,
+)
+from controlplane.settings import ControlPlaneSettings
+from store.types import VersionConstraint
+
+ANY_ROLE = frozenset(Role)
+TRAINER = frozenset({Role.TRAINER})
+ENGINE = frozenset({Role.ENGINE})
+CALLERS = frozenset({Role.CLIENT, Role.TRAINER})
+ADMIN = frozenset({Role.ADMIN})
+
+GENERATE_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {
+                "schema": {
+                    "type": "object",
+                    "description": (
+                        "An SGLang /generate or OpenAI body; the Tether fields below are "
+                        "read, everything is forwarded unchanged."
+                    ),
+                    "properties": {
+                        "weight_version": {"$ref": "#/components/schemas/WeightVersionSpec"},
+                        "precision": {
+                            "anyOf": [
+                                {"type": "string", "enum": [p.value for p in Precision]},
+                                {
+                                    "type": "array",
+                                    "items": {
+                                        "type": "string",
+                                        "enum": [p.value for p in Precision],
+                                    },
+                                },
+                            ]
+                        },
+                        "session_id": {"type": "string"},
+                        "run_id": {"type": "string"},
+                        "stream": {"type": "boolean"},
+                    },
+                    "additionalProperties": True,
+                }
+            }
+        },
+    }
+}
+
+
+@dataclass
+class ControlPlane:
+    """Everything one control-plane process holds, built from its settings."""
+
+    settings: ControlPlaneSettings
+    engine: Any
+    sessions: Any
+    tokens: TokenChecker
+    registry: Registry
+    runs: Runs
+    fleet: Fleet
+    metrics: Metrics
+    proxy: Proxy | None = None
+    first_admin_token: str | None = None
+    version_events: list[asyncio.Event] = field(default_factory=list)
+
+    @classmethod
+    def build(cls, settings: ControlPlaneSettings) -> ControlPlane:
+        engine = dbmod.open_engine(settings.db_url)
+        sessions = dbmod.session_factory(engine)
+        metrics = Metrics()
+        registry = Registry(sessions, settings.lease_seconds)
+        runs = Runs(sessions, settings.store)
+        return cls(
+            settings=settings,
+            engine=engine,
+            sessions=sessions,
+            tokens=TokenChecker(sessions, settings.token_cache_s),
+            registry=registry,
+            runs=runs,
+            fleet=Fleet(registry, runs, metrics, settings.snapshot_refresh_s),
+            metrics=metrics,
+        )
+
+    def wake_version_waiters(self) -> None:
+        waiters, self.version_events = self.version_events, []
+        for event in waiters:
+            event.set()
+
+
+def _engine_info(row: Any, target: int | None) -> EngineInfo:
+    return EngineInfo(
+        engine_id=row.engine_id,
+        url=row.url,
+        run_id=row.run_id,
+        precision=Precision(row.precision),
+        accelerator=row.accelerator,
+        capacity=row.capacity,
+        labels=row.labels,
+        applied_version=row.applied_version,
+        sync_state=row.sync_state,
+        staging_target=row.staging_target,
+        staging_progress=row.staging_progress,
+        in_flight=row.in_flight,
+        last_error=row.last_error,
+        lease_expires_at=row.lease_expires_at,
+        target_version=target,
+    )
+
+
+async def _long_poll(
+    check: Callable[[], Coroutine[Any, Any, Any]],
+    wait: Callable[[float], Coroutine[Any, Any, None]],
+    timeout: float,
+) -> Any:
+    """Call `check` until it returns something not None or `timeout` passes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = await check()
+        left = deadline - time.monotonic()
+        if found is not None or left <= 0:
+            return found
+        await wait(left)
+
+
+def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:
+    """The ASGI application for one control-plane process (migrate the database first)."""
+    settings = settings or ControlPlaneSettings()
+    cp = ControlPlane.build(settings)
+    bearer = HTTPBearer(auto_error=False, description="Tether token (tether token create)")
+
+    def role(allowed: frozenset[Role]) -> Callable[..., Coroutine[Any, Any, Role]]:
+        async def dependency(
+            request: Request,
+            _creds: HTTPAuthorizationCredentials | None = Depends(bearer),
+        ) -> Role:
+            digest = cp.tokens.digest(request.headers.get("authorization"))
+            hit, found = cp.tokens.cached(digest)
+            if not hit:
+                found = await asyncio.to_thread(cp.tokens.lookup, digest)
+            return cp.tokens.check(found, allowed)
+
+        return dependency
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        cp.first_admin_token = await asyncio.to_thread(
+            ensure_admin_token, cp.sessions, settings.admin_token
+        )
+        client = httpx.AsyncClient(
+            timeout=httpx.Timeout(settings.proxy_timeout_s, connect=5.0),
+            limits=httpx.Limits(max_connections=2048, max_keepalive_connections=512),
+        )
+        cp.proxy = Proxy(
+            cp.fleet, cp.metrics, client, settings.route_attempts, settings.default_retry_after_s
+        )
+        await cp.fleet.start()
+        try:
+            yield
+        finally:
+            await cp.fleet.stop()
+            await client.aclose()
+            cp.engine.dispose()
+
+    app = FastAPI(
+        title="Tether control plane",
+        version="0.1.0",
+        description="Fleet registry, runs and versions, and the version-aware router. "
+        'Every error is `{"error": {"type", "message", "retryable", ...}}`.',
+        lifespan=lifespan,
+        responses=ERROR_RESPONSES,
+    )
+    app.state.cp = cp
+    install_handlers(app)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(RequestMetrics, metrics=cp.metrics)
+
+    # ------------------------------------------------------------------ ops
+
+    @app.get("/healthz", response_model=Health, tags=["ops"])
+    async def healthz() -> Health:
+        return Health()
+
+    @app.get("/readyz", response_model=Health, tags=["ops"])
+    async def readyz() -> Health:
+        await asyncio.to_thread(dbmod.ping, cp.engine)
+        snap = cp.fleet.snapshot
+        return Health(detail={"engines": len(snap.engines), "runs": len(snap.runs)})
+
+    @app.get("/metrics", tags=["ops"], response_class=Response)
+    async def metrics() -> Response:
+        return Response(cp.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    # ------------------------------------------------------------------ tokens
+
+    @app.post("/v1/tokens", response_model=TokenCreated, status_code=201, tags=["auth"])
+    def create_token(body: TokenCreate, _: Role = Depends(role(ADMIN))) -> TokenCreated:
+        token_id, text = mint_token(cp.sessions, body.role, body.name)
+        return TokenCreated(token_id=token_id, token=text, role=body.role, name=body.name)
+
+    # ------------------------------------------------------------------ runs
+
+    @app.post("/v1/runs", response_model=RunInfo, status_code=201, tags=["runs"])
+    def create_run(body: RunCreate, _: Role = Depends(role(TRAINER))) -> RunInfo:
+        info = cp.runs.create(body)
+        cp.fleet.poke()
+        return info
+
+    @app.get("/v1/runs", response_model=RunList, tags=["runs"])
+    def list_runs(_: Role = Depends(role(ANY_ROLE))) -> RunList:
+        return RunList(runs=cp.runs.all())
+
+    @app.get("/v1/runs/{run_id}", response_model=RunInfo, tags=["runs"])
+    def get_run(run_id: str, _: Role = Depends(role(ANY_ROLE))) -> RunInfo:
+        return cp.runs.get(run_id)
+
+    @app.put("/v1/runs/{run_id}/policy", response_model=RunInfo, tags=["runs"])
+    def set_policy(run_id: str, body: TargetPolicy, _: Role = Depends(role(TRAINER))) -> RunInfo:
+        info = cp.runs.set_policy(run_id, body)
+        cp.fleet.poke()
+        return info
+
+    # ------------------------------------------------------------------ versions
+
+    @app.post(
+        "/v1/runs/{run_id}/versions", response_model=VersionInfo, status_code=201, tags=["versions"]
+    )
+    def notify_version(
+        run_id: str, body: VersionNotify, _: Role = Depends(role(TRAINER))
+    ) -> VersionInfo:
+        run = cp.runs.get(run_id)
+        pointer = confirm_published(run.store_url, run_id, body.version)
+        info = cp.runs.record_version(run_id, body.version, body.kind, pointer)
+        cp.fleet.poke()
+        cp.fleet.call_soon(cp.wake_version_waiters)
+        return info
+
+    @app.get("/v1/runs/{run_id}/versions", response_model=VersionList, tags=["versions"])
+    def list_versions(run_id: str, _: Role = Depends(role(ANY_ROLE))) -> VersionList:
+        return VersionList(versions=cp.runs.versions(run_id))
+
+    @app.get("/v1/runs/{run_id}/versions/latest", response_model=VersionInfo, tags=["versions"])
+    def latest_version(run_id: str, _: Role = Depends(role(ANY_ROLE))) -> VersionInfo:
+        cp.runs.get(run_id)
+        found = cp.runs.latest(run_id)
+        if found is None:
+            raise NoVersionYet(
+                f"run {run_id!r} has no version yet: wait with GET /v1/runs/{run_id}/versions/wait"
+            )
+        return found
+
+    @app.get("/v1/runs/{run_id}/versions/wait", response_model=VersionList, tags=["versions"])
+    async def wait_version(
+        run_id: str,
+        after: int = Query(-1, ge=-1, le=MAX_INT, description="versions newer than this"),
+        timeout: float = Query(30.0, ge=0, description="seconds to wait at most"),
+        _: Role = Depends(role(ANY_ROLE)),
+    ) -> VersionList:
+        await asyncio.to_thread(cp.runs.get, run_id)
+
+        async def check() -> list[VersionInfo] | None:
+            found = await asyncio.to_thread(cp.runs.versions, run_id, after)
+            return found or None
+
+        async def wait(left: float) -> None:
+            event = asyncio.Event()
+            cp.version_events.append(event)
+            try:
+                await asyncio.wait_for(event.wait(), min(left, settings.poll_interval_s))
+            except TimeoutError:
+                return
+
+        found = await _long_poll(check, wait, min(timeout, settings.max_long_poll_s))
+        return VersionList(versions=found or [])
+
+    # ------------------------------------------------------------------ engines
+
+    @app.post("/v1/engines", response_model=EngineRegistered, status_code=201, tags=["engines"])
+    def register_engine(body: EngineRegister, _: Role = Depends(role(ENGINE))) -> EngineRegistered:
+        engine_id, _expires = cp.registry.register(body)
+        cp.fleet.poke()
+        return EngineRegistered(
+            engine_id=engine_id,
+            lease_seconds=settings.lease_seconds,
+            heartbeat_interval_s=settings.heartbeat_interval_s,
+            # A new engine follows the latest version until the policy has seen it.
+            target_version=cp.runs.get(body.run_id).latest_version,
+        )
+
+    @app.post("/v1/engines/{engine_id}/heartbeat", response_model=HeartbeatReply, tags=["engines"])
+    def heartbeat(engine_id: str, body: Heartbeat, _: Role = Depends(role(ENGINE))) -> Response:
+        expires = cp.registry.heartbeat(engine_id, body)
+        snap = cp.fleet.snapshot
+        seen = snap.engines.get(engine_id)
+        if (
+            seen is None
+            or seen.applied_version != body.applied_version
+            or seen.sync_state != body.sync_state
+            or seen.staging_target != body.staging_target
+        ):
+            cp.fleet.poke()
+        run_id = seen.run_id if seen else None
+        target = snap.targets.get(engine_id)
+        if seen is None:
+            rows = cp.registry.rows(engine_id)
+            run_id = rows[0].run_id if rows else None
+            target = cp.runs.get(run_id).latest_version if run_id else None
+        # A ready Response skips FastAPI's second validation pass: this route is hot.
+        reply = HeartbeatReply(target_version=target, lease_expires_at=expires)
+        return Response(reply.model_dump_json(), media_type="application/json")
+
+    @app.get("/v1/engines/{engine_id}/target", response_model=TargetReply, tags=["engines"])
+    async def engine_target(
+        engine_id: str,
+        after: int | None = Query(None, ge=0, le=MAX_INT, description="the known target"),
+        timeout: float = Query(30.0, ge=0, description="seconds to wait at most"),
+        _: Role = Depends(role(ENGINE)),
+    ) -> TargetReply:
+        rows = await asyncio.to_thread(cp.registry.rows, engine_id)
+        if not rows:
+            raise EngineUnknown(
+                f"engine {engine_id!r} is not registered or its lease lapsed: register again"
+            )
+        run_id = rows[0].run_id
+
+        async def check() -> int | None:
+            snap = cp.fleet.snapshot
+            if engine_id not in snap.engines and snap.built_at < time.time() - 5:
+                return None
+            target = snap.target_for(engine_id, run_id)
+            return target if target is not None and target != after else None
+
+        found = await _long_poll(
+            check, cp.fleet.wait_changed, min(timeout, settings.max_long_poll_s)
+        )
+        if found is None:
+            return TargetReply(target_version=after, changed=False)
+        return TargetReply(target_version=found, changed=True)
+
+    @app.delete("/v1/engines/{engine_id}", status_code=204, tags=["engines"])
+    def deregister_engine(engine_id: str, _: Role = Depends(role(ENGINE))) -> Response:
+        cp.registry.deregister(engine_id)
+        cp.fleet.poke()
+        return Response(status_code=204)
+
+    @app.get("/v1/engines", response_model=EngineList, tags=["engines"])
+    def list_engines(run_id: str | None = None, _: Role = Depends(role(ANY_ROLE))) -> EngineList:
+        rows = [r for r in cp.registry.rows() if run_id is None or r.run_id == run_id]
+        snap = cp.fleet.snapshot
+        return EngineList(
+            engines=[_engine_info(r, snap.target_for(r.engine_id, r.run_id)) for r in rows]
+        )
+
+    @app.get("/v1/engines/{engine_id}", response_model=EngineInfo, tags=["engines"])
+    def get_engine(engine_id: str, _: Role = Depends(role(ANY_ROLE))) -> EngineInfo:
+        rows = cp.registry.rows(engine_id)
+        if not rows:
+            raise EngineUnknown(f"engine {engine_id!r} is not registered or its lease lapsed")
+        return _engine_info(rows[0], cp.fleet.snapshot.target_for(engine_id, rows[0].run_id))
+
+    # ------------------------------------------------------------------ router
+
+    async def forward(kind: str, request: Request) -> Response:
+        assert cp.proxy is not None
+        try:
+            raw = await request.body()
+        except ClientDisconnect:
+            # Nobody is left to answer; the status is for the access log only.
+            return Response(status_code=499)
+        return await cp.proxy.handle(kind, raw, request.headers)
+
+    @app.post("/v1/generate", tags=["router"], openapi_extra=GENERATE_BODY)
+    async def generate(request: Request, _: Role = Depends(role(CALLERS))) -> Response:
+        """SGLang's native /generate, routed to an engine that serves the version asked."""
+        return await forward("generate", request)
+
+    @app.post("/v1/completions", tags=["router"], openapi_extra=GENERATE_BODY)
+    async def completions(request: Request, _: Role = Depends(role(CALLERS))) -> Response:
+        return await forward("completions", request)
+
+    @app.post("/v1/chat/completions", tags=["router"], openapi_extra=GENERATE_BODY)
+    async def chat_completions(request: Request, _: Role = Depends(role(CALLERS))) -> Response:
+        return await forward("chat", request)
+
+    @app.get("/v1/route", response_model=RouteAnswer, tags=["router"])
+    async def route(
+        request: Request,
+        run_id: str | None = None,
+        min_version: int | None = Query(None, ge=0, le=MAX_INT),
+        exact_version: int | None = Query(None, ge=0, le=MAX_INT),
+        precision: list[Precision] | None = Query(None),
+        session_id: str | None = None,
+        _: Role = Depends(role(CALLERS)),
+    ) -> RouteAnswer:
+        """Which engine to call, for clients that talk to engines directly."""
+        try:
+            spec = WeightVersionSpec(min_version=min_version, exact_version=exact_version)
+        except ValidationError as exc:
+            raise validation_error(exc, "query") from exc
+        snap = cp.fleet.snapshot
+        run = resolve_run(snap, run_id, "query.run_id")
+        constraint: VersionConstraint = spec.constraint()
+        if constraint.exact_version is not None:
+            cp.fleet.note_exact(run, constraint.exact_version)
+        engine = pick(
+            snap,
+            run,
+            constraint,
+            precisions=frozenset(precision) if precision else None,
+            session_id=session_id or request.headers.get("x-session-id"),
+            local_in_flight=cp.fleet.in_flight,
+            now=time.time(),
+        )
+        if engine is None:
+            cp.metrics.not_ready.labels("none_eligible").inc()
+            raise not_ready(snap, run, constraint, settings.default_retry_after_s, "none_eligible")
+        return RouteAnswer(
+            engine_id=engine.engine_id,
+            url=engine.url,
+            precision=engine.precision,
+            applied_version=engine.applied_version or 0,
+            run_id=run,
+        )
+
+    return app

@@ -1,0 +1,116 @@
+"""Bearer tokens with roles, stored as sha256 hashes.
+
+Owns minting, hashing and checking tokens and the first admin token. A token's plain text
+exists only in the reply that mints it (and the one console line of a first start); it is
+never logged or stored. Role lookups are cached in memory for at most `cache_s` seconds so
+a revoked token stops working within that window on every replica.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import secrets
+import time
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from controlplane.errors import Forbidden, Unauthorized
+from controlplane.models import Token
+from controlplane.schema import Role
+
+log = logging.getLogger(__name__)
+
+TOKEN_PREFIX = "tth_"
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def new_token_text() -> str:
+    return TOKEN_PREFIX + secrets.token_urlsafe(32)
+
+
+def store_token(sessions: sessionmaker[Session], role: Role, name: str, text: str) -> int:
+    with sessions.begin() as db:
+        row = Token(token_hash=hash_token(text), role=role.value, name=name, created_at=time.time())
+        db.add(row)
+        db.flush()
+        return row.token_id
+
+
+def mint_token(sessions: sessionmaker[Session], role: Role, name: str = "") -> tuple[int, str]:
+    """Create a token for `role`; return its id and its text (shown once)."""
+    text = new_token_text()
+    return store_token(sessions, role, name, text), text
+
+
+def ensure_admin_token(sessions: sessionmaker[Session], configured: str | None) -> str | None:
+    """On a database without an admin token, create one. Return its text only when it was
+    generated here (the caller prints it once); None when configured or already present."""
+    with sessions() as db:
+        admins = db.scalar(select(func.count()).select_from(Token).where(Token.role == "admin"))
+        if configured:
+            known = db.scalar(
+                select(Token.token_id).where(Token.token_hash == hash_token(configured))
+            )
+            if known is None:
+                store_token(sessions, Role.ADMIN, "TETHER_ADMIN_TOKEN", configured)
+            return None
+        if admins:
+            return None
+    _, text = mint_token(sessions, Role.ADMIN, "first-start")
+    log.info("created the first admin token (printed once on the console)")
+    return text
+
+
+class TokenChecker:
+    """Resolves `Authorization: Bearer <token>` to a role, with a short in-memory cache."""
+
+    def __init__(self, sessions: sessionmaker[Session], cache_s: float) -> None:
+        self._sessions = sessions
+        self._cache_s = cache_s
+        self._cache: dict[str, tuple[Role | None, float]] = {}
+
+    @staticmethod
+    def digest(authorization: str | None) -> str:
+        """The hash of the bearer token in an Authorization header, or `Unauthorized`."""
+        if not authorization:
+            raise Unauthorized(
+                "missing bearer token: send 'Authorization: Bearer <token>' "
+                "(mint one with 'tether token create --role ...')"
+            )
+        scheme, _, token = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise Unauthorized("the Authorization header must be 'Bearer <token>'")
+        return hash_token(token.strip())
+
+    def cached(self, digest: str) -> tuple[bool, Role | None]:
+        """(hit, role) from the in-memory cache; no database work."""
+        entry = self._cache.get(digest)
+        if entry is not None and entry[1] > time.monotonic():
+            return True, entry[0]
+        return False, None
+
+    def lookup(self, digest: str) -> Role | None:
+        """Read the token's role from the database and cache it briefly."""
+        with self._sessions() as db:
+            value = db.scalar(select(Token.role).where(Token.token_hash == digest))
+        role = Role(value) if value is not None else None
+        if len(self._cache) > 10_000:
+            self._cache.clear()
+        self._cache[digest] = (role, time.monotonic() + self._cache_s)
+        return role
+
+    @staticmethod
+    def check(role: Role | None, allowed: frozenset[Role]) -> Role:
+        if role is None:
+            raise Unauthorized("unknown bearer token: check the token or mint a new one")
+        if role not in allowed and role is not Role.ADMIN:
+            wanted = ", ".join(sorted(r.value for r in allowed | {Role.ADMIN}))
+            raise Forbidden(
+                f"a {role.value} token may not call this route; it needs one of: {wanted}"
+            )
+        return role

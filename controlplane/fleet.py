@@ -1,0 +1,140 @@
+"""The in-process view of the fleet: the current snapshot and what keeps it fresh.
+
+Owns the snapshot swap, the refresher task (reload from the shared database every
+`snapshot_refresh_s`, sooner after this process changed something), this process's
+in-flight counts, and the buffer of exact-version demand it writes back for `keep_pinned`.
+Everything here can be rebuilt from the database within a second: no replica keeps
+anything essential only in memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+from controlplane.metrics import Metrics
+from controlplane.registry import Registry
+from controlplane.runs import Runs
+from controlplane.snapshot import FleetSnapshot
+
+log = logging.getLogger(__name__)
+
+DEMAND_HORIZON_S = 86_400.0
+REAP_GRACE_S = 300.0
+
+
+class Fleet:
+    def __init__(self, registry: Registry, runs: Runs, metrics: Metrics, refresh_s: float) -> None:
+        self.registry = registry
+        self.runs = runs
+        self.metrics = metrics
+        self.refresh_s = refresh_s
+        self.snapshot = FleetSnapshot.empty()
+        self.in_flight: defaultdict[str, int] = defaultdict(int)
+        self._pending_demand: dict[tuple[str, int], float] = {}
+        self._dirty: asyncio.Event | None = None
+        self._changed: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._last_reap = 0.0
+        self._stopping = False
+
+    # -------------------------------------------------------------- refresh
+
+    def load(self) -> FleetSnapshot:
+        """Read the database and build a new snapshot (blocking; call off the loop)."""
+        demand, self._pending_demand = self._pending_demand, {}
+        try:
+            self.registry.record_demand(demand)
+        except Exception:
+            # Keep the demand for the next round; the snapshot must still refresh.
+            for key, at in demand.items():
+                self._pending_demand[key] = max(at, self._pending_demand.get(key, 0.0))
+            raise
+        now = time.time()
+        if now - self._last_reap > REAP_GRACE_S:
+            self._last_reap = now
+            self.registry.reap(REAP_GRACE_S)
+        return FleetSnapshot.build(
+            now,
+            self.registry.leased(now),
+            self.runs.views(),
+            self.registry.demand(now - DEMAND_HORIZON_S),
+        )
+
+    def install(self, snap: FleetSnapshot) -> None:
+        self.snapshot = snap
+        self.metrics.observe_fleet(snap)
+        if self._changed is not None:
+            changed, self._changed = self._changed, asyncio.Event()
+            changed.set()
+
+    async def refresh(self) -> FleetSnapshot:
+        self.install(await asyncio.to_thread(self.load))
+        return self.snapshot
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._dirty = asyncio.Event()
+        self._changed = asyncio.Event()
+        await self.refresh()
+        self._task = asyncio.create_task(self._refresher(), name="fleet-refresher")
+
+    async def stop(self) -> None:
+        self._stopping = True
+        task, self._task = self._task, None
+        # Python 3.11's wait_for can swallow one cancellation, so cancel until it ends.
+        while task is not None and not task.done():
+            task.cancel()
+            await asyncio.wait({task}, timeout=0.5)
+
+    async def _refresher(self) -> None:
+        assert self._dirty is not None
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._dirty.wait(), self.refresh_s)
+            self._dirty.clear()
+            try:
+                await self.refresh()
+            except Exception:
+                log.exception("fleet snapshot refresh failed; keeping the previous snapshot")
+            # Coalesce bursts of local writes into at most ~20 refreshes a second.
+            await asyncio.sleep(0.05)
+
+    # -------------------------------------------------------------- signals
+
+    def mark_dirty(self) -> None:
+        """This process changed fleet state: refresh soon rather than on the next tick."""
+        if self._dirty is not None:
+            self._dirty.set()
+
+    def call_soon(self, callback: Callable[[], None]) -> None:
+        """Run `callback` on the event loop; safe from worker threads (sync routes)."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(callback)
+
+    def poke(self) -> None:
+        """Thread-safe `mark_dirty`, for routes that run in the thread pool."""
+        self.call_soon(self.mark_dirty)
+
+    async def wait_changed(self, timeout: float) -> None:
+        """Return after the next snapshot swap, or after `timeout` seconds."""
+        if self._changed is None:
+            await asyncio.sleep(timeout)
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._changed.wait(), timeout)
+
+    def note_exact(self, run_id: str, version: int) -> None:
+        """An exact-version request arrived; keep_pinned reads this demand."""
+        key = (run_id, version)
+        first = key not in self._pending_demand and version not in self.snapshot.demand.get(
+            run_id, {}
+        )
+        self._pending_demand[key] = time.time()
+        if first:
+            self.mark_dirty()

@@ -1,0 +1,90 @@
+"""Prometheus metrics of one control-plane process, in its own registry.
+
+Owns metric names and the fleet gauges derived from a snapshot. Never blocks the request
+path: counters and histograms are in-memory; fleet gauges are recomputed on refresh.
+"""
+
+from __future__ import annotations
+
+from collections import Counter as Tally
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from controlplane.snapshot import FleetSnapshot
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "tether_requests_total",
+            "HTTP requests by route template and status code",
+            ["route", "status"],
+            registry=self.registry,
+        )
+        self.not_ready = Counter(
+            "tether_router_409_total",
+            "409 WeightVersionNotReady answers by reason",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.engine_retries = Counter(
+            "tether_router_engine_retries_total",
+            "Requests re-sent to another engine after a 409, 503 or connection failure",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.decision = Histogram(
+            "tether_routing_decision_seconds",
+            "Time to choose an engine from the in-memory snapshot",
+            buckets=(5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3),
+            registry=self.registry,
+        )
+        self.engines = Gauge(
+            "tether_engines",
+            "Leased engines by state, precision and applied version",
+            ["state", "precision", "version"],
+            registry=self.registry,
+        )
+        self.at_latest = Gauge(
+            "tether_fleet_capacity_at_latest_ratio",
+            "Fraction of a run's serving capacity on its latest version",
+            ["run"],
+            registry=self.registry,
+        )
+        self.convergence = Histogram(
+            "tether_version_convergence_seconds",
+            "Seconds from a version's publication until every serving engine of the run applied it",
+            ["run"],
+            buckets=(0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800),
+            registry=self.registry,
+        )
+        self._converged: dict[str, int] = {}
+
+    def observe_fleet(self, snap: FleetSnapshot) -> None:
+        self.engines.clear()
+        tally = Tally(
+            (e.sync_state.value, e.precision.value, str(e.applied_version))
+            for e in snap.engines.values()
+        )
+        for labels, n in tally.items():
+            self.engines.labels(*labels).set(n)
+        for run in snap.runs.values():
+            serving = [e for e in snap.run_engines(run.run_id) if e.serving]
+            capacity = sum(e.capacity for e in serving)
+            on_latest = sum(e.capacity for e in serving if e.applied_version == run.latest_version)
+            self.at_latest.labels(run.run_id).set(on_latest / capacity if capacity else 0.0)
+            if (
+                run.latest_version is not None
+                and run.latest_published_at is not None
+                and serving
+                and on_latest == capacity
+                and self._converged.get(run.run_id) != run.latest_version
+            ):
+                self._converged[run.run_id] = run.latest_version
+                self.convergence.labels(run.run_id).observe(
+                    max(0.0, snap.built_at - run.latest_published_at)
+                )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,196 @@
+"""The fleet registry: engines register, heartbeat, deregister and hold leases.
+
+Owns the `engines` and `pins` rows. Each call is one short transaction, so a heartbeat
+costs one UPDATE. A lapsed lease is as good as gone: heartbeats for it answer
+`EngineUnknown` (the agent registers again) and snapshots leave it out. Never routes and
+never decides targets (that is `router.py` and `policy.py`).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Mapping
+
+from sqlalchemy import and_, bindparam, case, delete, select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from controlplane.errors import EngineUnknown, RunUnknown
+from controlplane.models import Engine, Pin, Run
+from controlplane.schema import EngineRegister, Heartbeat, Precision, SyncState
+from controlplane.snapshot import EngineView
+
+_ENGINES = Engine.__table__
+# A new staging target restarts the clock the Retry-After estimate is based on.
+_HEARTBEAT = (
+    update(_ENGINES)
+    .where(
+        _ENGINES.c.engine_id == bindparam("p_id"),
+        _ENGINES.c.lease_expires_at > bindparam("p_now"),
+    )
+    .values(
+        applied_version=bindparam("p_applied"),
+        sync_state=bindparam("p_state"),
+        staging_target=bindparam("p_target"),
+        staging_progress=bindparam("p_progress"),
+        staging_started_at=case(
+            (
+                and_(
+                    _ENGINES.c.staging_target == bindparam("p_target"),
+                    _ENGINES.c.staging_started_at.is_not(None),
+                ),
+                _ENGINES.c.staging_started_at,
+            ),
+            else_=bindparam("p_started"),
+        ),
+        in_flight=bindparam("p_in_flight"),
+        last_error=bindparam("p_error"),
+        heartbeat_at=bindparam("p_now"),
+        lease_expires_at=bindparam("p_expires"),
+    )
+)
+
+
+class Registry:
+    def __init__(self, sessions: sessionmaker[Session], lease_seconds: float) -> None:
+        self._sessions = sessions
+        self._db = sessions.kw["bind"]
+        self.lease_seconds = lease_seconds
+
+    def register(self, body: EngineRegister) -> tuple[str, float]:
+        """Add an engine; return its id and lease expiry."""
+        now = time.time()
+        engine_id = uuid.uuid4().hex
+        with self._sessions.begin() as db:
+            if db.get(Run, body.run_id) is None:
+                raise RunUnknown(
+                    f"run {body.run_id!r} does not exist: create it first (POST /v1/runs)",
+                    field="body.run_id",
+                )
+            db.add(
+                Engine(
+                    engine_id=engine_id,
+                    run_id=body.run_id,
+                    url=body.url.rstrip("/"),
+                    precision=body.precision.value,
+                    accelerator=body.accelerator,
+                    capacity=body.capacity,
+                    labels=dict(body.labels),
+                    applied_version=body.applied_version,
+                    sync_state=body.sync_state.value,
+                    staging_target=None,
+                    staging_progress=0.0,
+                    staging_started_at=None,
+                    in_flight=0,
+                    last_error=None,
+                    registered_at=now,
+                    heartbeat_at=now,
+                    lease_expires_at=now + self.lease_seconds,
+                )
+            )
+        return engine_id, now + self.lease_seconds
+
+    def heartbeat(self, engine_id: str, beat: Heartbeat) -> float:
+        """Renew the lease and record the report; return the new lease expiry.
+
+        One precompiled UPDATE in one short transaction: this runs once a second per engine.
+        """
+        now = time.time()
+        expires = now + self.lease_seconds
+        with self._db.begin() as conn:
+            matched = conn.execute(
+                _HEARTBEAT,
+                {
+                    "p_id": engine_id,
+                    "p_now": now,
+                    "p_applied": beat.applied_version,
+                    "p_state": beat.sync_state.value,
+                    "p_target": beat.staging_target,
+                    "p_progress": beat.staging_progress,
+                    "p_started": now if beat.staging_target is not None else None,
+                    "p_in_flight": beat.in_flight,
+                    "p_error": beat.last_error,
+                    "p_expires": expires,
+                },
+            ).rowcount
+        if matched == 0:
+            raise EngineUnknown(
+                f"engine {engine_id!r} is not registered or its lease lapsed: register again"
+            )
+        return expires
+
+    def deregister(self, engine_id: str) -> None:
+        with self._sessions.begin() as db:
+            if db.execute(delete(Engine).where(Engine.engine_id == engine_id)).rowcount == 0:
+                raise EngineUnknown(f"engine {engine_id!r} is not registered")
+
+    def leased(self, now: float | None = None) -> list[EngineView]:
+        now = time.time() if now is None else now
+        with self._sessions() as db:
+            rows = db.execute(
+                select(
+                    Engine.engine_id,
+                    Engine.run_id,
+                    Engine.url,
+                    Engine.precision,
+                    Engine.capacity,
+                    Engine.applied_version,
+                    Engine.sync_state,
+                    Engine.in_flight,
+                    Engine.staging_target,
+                    Engine.staging_progress,
+                    Engine.staging_started_at,
+                    Engine.lease_expires_at,
+                ).where(Engine.lease_expires_at > now)
+            ).all()
+        return [
+            EngineView(
+                engine_id=r[0],
+                run_id=r[1],
+                url=r[2],
+                precision=Precision(r[3]),
+                capacity=r[4],
+                applied_version=r[5],
+                sync_state=SyncState(r[6]),
+                in_flight=r[7],
+                staging_target=r[8],
+                staging_progress=r[9],
+                staging_started_at=r[10],
+                lease_expires_at=r[11],
+            )
+            for r in rows
+        ]
+
+    def rows(self, engine_id: str | None = None) -> list[Engine]:
+        """Full rows of leased engines (for listings), optionally just one."""
+        stmt = select(Engine).where(Engine.lease_expires_at > time.time())
+        if engine_id is not None:
+            stmt = stmt.where(Engine.engine_id == engine_id)
+        with self._sessions() as db:
+            return list(db.scalars(stmt.order_by(Engine.run_id, Engine.engine_id)))
+
+    def reap(self, grace_s: float) -> int:
+        """Delete engines whose lease lapsed more than `grace_s` ago."""
+        with self._sessions.begin() as db:
+            cut = time.time() - grace_s
+            return db.execute(delete(Engine).where(Engine.lease_expires_at < cut)).rowcount
+
+    def record_demand(self, demand: Mapping[tuple[str, int], float]) -> None:
+        """Upsert the last time exact-version requests asked for each (run, version)."""
+        if not demand:
+            return
+        with self._sessions.begin() as db:
+            for (run_id, version), at in demand.items():
+                pin = db.get(Pin, (run_id, version))
+                if pin is None:
+                    db.add(Pin(run_id=run_id, version=version, last_requested_at=at))
+                elif pin.last_requested_at < at:
+                    pin.last_requested_at = at
+
+    def demand(self, since: float) -> dict[str, dict[int, float]]:
+        with self._sessions() as db:
+            rows = db.execute(select(Pin).where(Pin.last_requested_at >= since)).scalars()
+            out: dict[str, dict[int, float]] = {}
+            for pin in rows:
+                out.setdefault(pin.run_id, {})[pin.version] = pin.last_requested_at
+            return out

@@ -1,0 +1,149 @@
+"""Runs and their versions, mirrored from the store for fast listing.
+
+Owns the `runs` and `versions` rows. A version is recorded only after the store's pointer
+is confirmed to name it (or a newer one), and a run's latest version only moves forward.
+Never writes to the store.
+"""
+
+from __future__ import annotations
+
+import time
+
+from sqlalchemy import or_, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
+from controlplane.errors import RunExists, RunUnknown
+from controlplane.models import Run, Version
+from controlplane.schema import RunCreate, RunInfo, TargetPolicy, VersionInfo
+from controlplane.snapshot import RunView
+from store.types import VersionKind
+
+
+def run_info(run: Run) -> RunInfo:
+    return RunInfo(
+        run_id=run.run_id,
+        store_url=run.store_url,
+        base_checkpoint=run.base_checkpoint,
+        canonical_dtype=run.canonical_dtype,
+        boot_version=run.boot_version,
+        latest_version=run.latest_version,
+        policy=TargetPolicy.model_validate(run.policy),
+        created_at=run.created_at,
+    )
+
+
+def version_info(row: Version) -> VersionInfo:
+    return VersionInfo(
+        run_id=row.run_id,
+        version=row.version,
+        kind=VersionKind(row.kind) if row.kind else None,
+        published_at=row.published_at,
+    )
+
+
+class Runs:
+    def __init__(self, sessions: sessionmaker[Session], default_store: str) -> None:
+        self._sessions = sessions
+        self.default_store = default_store
+
+    def create(self, body: RunCreate) -> RunInfo:
+        run = Run(
+            run_id=body.run_id,
+            store_url=body.store_url or self.default_store,
+            base_checkpoint=body.base_checkpoint,
+            canonical_dtype=body.canonical_dtype,
+            boot_version=body.boot_version,
+            latest_version=None,
+            policy=TargetPolicy().model_dump(mode="json"),
+            created_at=time.time(),
+        )
+        try:
+            with self._sessions.begin() as db:
+                db.add(run)
+        except IntegrityError as exc:
+            raise RunExists(
+                f"run {body.run_id!r} already exists: pick another id or use the existing run",
+                field="body.run_id",
+            ) from exc
+        return run_info(run)
+
+    def get(self, run_id: str) -> RunInfo:
+        with self._sessions() as db:
+            run = db.get(Run, run_id)
+            if run is None:
+                raise RunUnknown(f"run {run_id!r} does not exist (list runs: GET /v1/runs)")
+            return run_info(run)
+
+    def all(self) -> list[RunInfo]:
+        with self._sessions() as db:
+            return [run_info(r) for r in db.scalars(select(Run).order_by(Run.created_at))]
+
+    def views(self) -> list[RunView]:
+        with self._sessions() as db:
+            rows = db.execute(
+                select(Run.run_id, Run.latest_version, Run.policy, Version.published_at).join(
+                    Version,
+                    (Version.run_id == Run.run_id) & (Version.version == Run.latest_version),
+                    isouter=True,
+                )
+            ).all()
+        return [RunView(r[0], r[1], r[3], TargetPolicy.model_validate(r[2])) for r in rows]
+
+    def set_policy(self, run_id: str, policy: TargetPolicy) -> RunInfo:
+        with self._sessions.begin() as db:
+            stmt = (
+                update(Run)
+                .where(Run.run_id == run_id)
+                .values(policy=policy.model_dump(mode="json"))
+            )
+            if db.execute(stmt).rowcount == 0:
+                raise RunUnknown(f"run {run_id!r} does not exist")
+        return self.get(run_id)
+
+    def record_version(
+        self, run_id: str, version: int, kind: VersionKind | None, pointer_version: int
+    ) -> VersionInfo:
+        """Record `version` (and the pointer's, if newer) and advance the run's latest."""
+        now = time.time()
+        with self._sessions.begin() as db:
+            for v, k in {pointer_version: None, version: kind}.items():
+                row = db.get(Version, (run_id, v))
+                if row is None:
+                    db.add(
+                        Version(
+                            run_id=run_id, version=v, kind=k.value if k else None, published_at=now
+                        )
+                    )
+                elif k is not None and row.kind is None:
+                    row.kind = k.value
+            db.flush()
+            db.execute(
+                update(Run)
+                .where(
+                    Run.run_id == run_id,
+                    or_(Run.latest_version.is_(None), Run.latest_version < pointer_version),
+                )
+                .values(latest_version=pointer_version)
+            )
+            row = db.get(Version, (run_id, version))
+            assert row is not None
+            return version_info(row)
+
+    def versions(self, run_id: str, after: int | None = None) -> list[VersionInfo]:
+        self.get(run_id)
+        stmt = select(Version).where(Version.run_id == run_id)
+        if after is not None:
+            stmt = stmt.where(Version.version > after)
+        with self._sessions() as db:
+            return [version_info(v) for v in db.scalars(stmt.order_by(Version.version))]
+
+    def latest(self, run_id: str) -> VersionInfo | None:
+        with self._sessions() as db:
+            row = db.scalars(
+                select(Version)
+                .where(Version.run_id == run_id)
+                .order_by(Version.version.desc())
+                .limit(1)
+            ).first()
+            return version_info(row) if row else None

@@ -1,0 +1,33 @@
+"""The control plane's one settings object, read from flags and `TETHER_*` variables.
+
+Owns configuration only; it opens no database and starts nothing.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class ControlPlaneSettings(BaseSettings):
+    """Every knob of one control-plane process (`TETHER_DB_URL`, `TETHER_STORE`, ...)."""
+
+    model_config = SettingsConfigDict(env_prefix="TETHER_", extra="ignore")
+
+    db_url: str = "sqlite:///./.tether/controlplane.db"
+    store: str = "./.tether/store"
+    admin_token: str | None = Field(default=None, repr=False)
+    host: str = "127.0.0.1"
+    port: int = 8700
+    lease_seconds: float = Field(default=10.0, gt=0)
+    heartbeat_interval_s: float = Field(default=2.0, gt=0)
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0)
+    # How stale the in-process fleet snapshot may get before it is reloaded from the DB.
+    snapshot_refresh_s: float = Field(default=0.5, gt=0)
+    # Long-polls re-check the shared DB this often, so they work across replicas.
+    poll_interval_s: float = Field(default=0.25, gt=0)
+    max_long_poll_s: float = Field(default=60.0, gt=0)
+    token_cache_s: float = Field(default=1.0, ge=0)
+    route_attempts: int = Field(default=3, ge=1)
+    proxy_timeout_s: float = Field(default=600.0, gt=0)
+    default_retry_after_s: float = Field(default=1.0, gt=0)

@@ -1,0 +1,142 @@
+"""An immutable in-memory picture of the fleet, built from database rows.
+
+Owns the indices the router reads on the hot path: serving engines grouped by run and
+precision and sorted by applied version (so a min or exact constraint is a bisect), the
+per-engine rendezvous seeds, each run's latest version and policy, and each engine's
+target as the policy assigns it. Never touches the database or the network itself: the
+fleet (`controlplane/fleet.py`) builds a new snapshot and swaps it in.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, bisect_right
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import xxhash
+
+from controlplane.policy import PolicyEngine, assign_targets
+from controlplane.schema import SERVING_STATES, Precision, SyncState, TargetPolicy
+from store.types import VersionConstraint
+
+
+@dataclass(frozen=True)
+class EngineView:
+    engine_id: str
+    run_id: str
+    url: str
+    precision: Precision
+    capacity: int
+    applied_version: int | None
+    sync_state: SyncState
+    in_flight: int
+    staging_target: int | None
+    staging_progress: float
+    staging_started_at: float | None
+    lease_expires_at: float
+
+    @property
+    def serving(self) -> bool:
+        return self.sync_state in SERVING_STATES and self.applied_version is not None
+
+
+@dataclass(frozen=True)
+class RunView:
+    run_id: str
+    latest_version: int | None
+    latest_published_at: float | None
+    policy: TargetPolicy
+
+
+@dataclass
+class Group:
+    """Serving engines of one (run, precision), sorted by applied version."""
+
+    engines: list[EngineView]
+    versions: list[int]
+    seeds: np.ndarray
+
+    def span(self, constraint: VersionConstraint) -> tuple[int, int]:
+        """Index range [lo, hi) of the engines whose version satisfies `constraint`."""
+        if constraint.exact_version is not None:
+            v = constraint.exact_version
+            return bisect_left(self.versions, v), bisect_right(self.versions, v)
+        if constraint.min_version is not None:
+            return bisect_left(self.versions, constraint.min_version), len(self.versions)
+        return 0, len(self.versions)
+
+
+def engine_seed(engine_id: str) -> int:
+    return xxhash.xxh64_intdigest(engine_id.encode())
+
+
+@dataclass
+class FleetSnapshot:
+    built_at: float
+    engines: dict[str, EngineView]
+    runs: dict[str, RunView]
+    groups: dict[tuple[str, Precision], Group]
+    targets: dict[str, int | None]
+    demand: dict[str, dict[int, float]] = field(default_factory=dict)
+
+    @classmethod
+    def empty(cls) -> FleetSnapshot:
+        return cls(0.0, {}, {}, {}, {})
+
+    @classmethod
+    def build(
+        cls,
+        now: float,
+        engines: Iterable[EngineView],
+        runs: Iterable[RunView],
+        demand: Mapping[str, Mapping[int, float]],
+    ) -> FleetSnapshot:
+        by_id = {e.engine_id: e for e in engines if e.lease_expires_at > now}
+        run_map = {r.run_id: r for r in runs}
+        grouped: dict[tuple[str, Precision], list[EngineView]] = {}
+        per_run: dict[str, list[EngineView]] = {}
+        for e in by_id.values():
+            per_run.setdefault(e.run_id, []).append(e)
+            if e.serving:
+                grouped.setdefault((e.run_id, e.precision), []).append(e)
+        groups = {}
+        for key, members in grouped.items():
+            members.sort(key=lambda e: (e.applied_version, e.engine_id))
+            groups[key] = Group(
+                engines=members,
+                versions=[e.applied_version for e in members],  # type: ignore[misc]
+                seeds=np.array([engine_seed(e.engine_id) for e in members], dtype=np.uint64),
+            )
+        targets: dict[str, int | None] = {}
+        for run_id, members in per_run.items():
+            run = run_map.get(run_id)
+            if run is None:
+                targets.update({e.engine_id: None for e in members})
+                continue
+            targets.update(
+                assign_targets(
+                    run.policy,
+                    run.latest_version,
+                    (
+                        PolicyEngine(
+                            e.engine_id,
+                            e.applied_version,
+                            e.sync_state not in (SyncState.ERROR, SyncState.DRAINING),
+                        )
+                        for e in members
+                    ),
+                    demand.get(run_id, {}),
+                    now,
+                )
+            )
+        return cls(now, by_id, run_map, groups, targets, {k: dict(v) for k, v in demand.items()})
+
+    def run_engines(self, run_id: str) -> list[EngineView]:
+        return [e for e in self.engines.values() if e.run_id == run_id]
+
+    def target_for(self, engine_id: str, run_id: str) -> int | None:
+        if engine_id in self.targets:
+            return self.targets[engine_id]
+        run = self.runs.get(run_id)
+        return run.latest_version if run else None

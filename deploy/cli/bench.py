@@ -1,0 +1,35 @@
+"""`tether bench <name>`: the benchmark scripts under `bench/`, one command each.
+
+Each `bench/<name>.py` exposes `run(...)` (a Typer-compatible function whose module keeps
+its top-level imports light) and runs standalone as `python -m bench.<name>`.
+"""
+
+from __future__ import annotations
+
+import typer
+
+app = typer.Typer(help="Run a benchmark; each ends with one JSON line of its figures.")
+
+from bench import sandbox as _sandbox_bench  # noqa: E402
+
+app.command(name="sandbox", help="Local sandbox: tasks scored per minute, isolation overhead.")(
+    _sandbox_bench.run
+)
+
+from bench import codec as _codec_bench  # noqa: E402
+
+app.command(name="codec", help="Checkpoint codecs: delta size vs xor and entropy, GB/s.")(
+    _codec_bench.run
+)
+
+from bench import refit as _refit_bench  # noqa: E402
+
+app.command(name="refit", help="Engine refit: staged commit pause vs naive full reload.")(
+    _refit_bench.run
+)
+
+from bench import router as _router_bench  # noqa: E402
+
+app.command(name="router", help="Router: added latency and req/s vs direct and SGLang's router.")(
+    _router_bench.run
+)
