@@ -179,6 +179,7 @@ class Reconciler:
             raise
         self._canonical, self._canonical_version = tensors, staged.version
         self.stager.prune({staged.version})
+        timings.committed = staged.version
         timings.outcome = "committed"
         timings.finished_at = time.time()
         log.info("run %s: pass timings %s", self.run_id, timings.as_dict())

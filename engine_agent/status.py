@@ -36,6 +36,7 @@ class PassTimings:
     pause_s: float = 0.0
     commit_s: float = 0.0
     restaged_for: int | None = None
+    committed: int | None = None  # the version this pass put on the engine (after a restage: newer)
     outcome: str = "running"
     finished_at: float | None = None
 

@@ -113,6 +113,11 @@ def bwrap_argv(
     if level == FULL:
         argv += ["--proc", "/proc"]
     argv += ["--size", str(tmp_size), "--tmpfs", SANDBOX_TMP]
+    # The private /tmp would hide an interpreter that lives under it (a venv in a checkout
+    # under /tmp, as CI clones have): bind it back, read-only.
+    for root in interpreter_roots(python):
+        if os.path.commonpath([root, SANDBOX_TMP]) == SANDBOX_TMP:
+            argv += ["--ro-bind", root, root]
     if uid is not None:
         masked: set[str] = set()
         for ancestor, keep in _blocked_prefixes(interpreter_roots(python)):

@@ -137,7 +137,8 @@ def test_catch_up_across_full_and_delta_versions_matches_the_published_bytes(
         )
     for precision, info in infos.items():
         last = info["last_pass"]
-        assert last["outcome"] == "committed" and last["target"] == target, precision
+        # A pass that saw the target move while staging restages once: it commits the newer.
+        assert last["outcome"] == "committed" and last["committed"] == target, precision
         assert last["pause_s"] > 0 and last["stage_s"] > 0, precision
     assert start < middle < target
 
