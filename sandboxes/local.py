@@ -114,10 +114,13 @@ def bwrap_argv(
         argv += ["--proc", "/proc"]
     argv += ["--size", str(tmp_size), "--tmpfs", SANDBOX_TMP]
     # The private /tmp would hide an interpreter that lives under it (a venv in a checkout
-    # under /tmp, as CI clones have): bind it back, read-only.
+    # under /tmp, as CI clones have): bind back, read-only, its top folder under /tmp, as
+    # the host root is bound. Not the prefix itself: bwrap would create the folders on the
+    # way with modes the sandbox uid cannot traverse.
     for root in interpreter_roots(python):
-        if os.path.commonpath([root, SANDBOX_TMP]) == SANDBOX_TMP:
-            argv += ["--ro-bind", root, root]
+        if root != SANDBOX_TMP and os.path.commonpath([root, SANDBOX_TMP]) == SANDBOX_TMP:
+            top = os.path.join(SANDBOX_TMP, os.path.relpath(root, SANDBOX_TMP).split(os.sep)[0])
+            argv += ["--ro-bind", top, top]
     if uid is not None:
         masked: set[str] = set()
         for ancestor, keep in _blocked_prefixes(interpreter_roots(python)):

@@ -152,6 +152,7 @@ def test_keep_pinned_through_the_api_pins_engines_while_exact_requests_arrive(ap
     api.publish("pin", 2)
     engines = [api.register("pin", 2) for _ in range(4)]
     api.publish("pin", 3)
+    api.settle()
     # Exact requests for v2 arrive: two engines must stay on v2, the others move to v3.
     assert api.call("GET", "/v1/route?run_id=pin&exact_version=2", "client").status_code == 200
 
