@@ -357,7 +357,7 @@ def replica_start(self: Any) -> None:
     """Container start: convert, SGLang, tunnel, agent; then watch both children."""
     import modal
 
-    from deploy.demo.launcher import ProcessFailed, ProcessGroup, log_tail
+    from deploy.processes import ProcessFailed, ProcessGroup, log_tail
 
     assert _PLAN is not None, "the Modal app was built without a plan"
     pool = _PLAN.pool(self.pool_name)

@@ -107,6 +107,14 @@ class _PrecomputedCodec:
         self._inner.apply_into(out, payload, itemsize, name)
 
 
+class UploadFailed(StoreError):
+    """Every upload attempt of a version failed on a transient store error (network, I/O).
+
+    The pointer was not seen to move (only a lost answer to the very last compare-and-swap
+    could hide a move), so the trainer may publish the same weights again once the store
+    is reachable."""
+
+
 def _is_transient(exc: BaseException) -> bool:
     """Store failures worth retrying: I/O and network errors, a bad read-back, a generic
     S3 failure. Refusals (bad names, rewinds, conflicts, immutability) are not."""
@@ -525,8 +533,15 @@ class Publisher:
                     return sum(len(data) for data in files.values())
                 raise
             except Exception as exc:
-                if not _is_transient(exc) or attempt == self.upload_attempts:
+                if not _is_transient(exc):
                     raise
+                if attempt == self.upload_attempts:
+                    raise UploadFailed(
+                        f"upload of {ref} failed after {attempt} attempts "
+                        f"(last: {type(exc).__name__}: {exc}); the pointer was not seen "
+                        f"to move. Check that the store at {self.store.url} is reachable, "
+                        "then publish again"
+                    ) from exc
                 delay = min(8.0, 0.25 * 2 ** (attempt - 1)) * (0.5 + random.random())
                 log.warning(
                     "upload of %s failed (%s: %s); retry %d/%d in %.2fs",

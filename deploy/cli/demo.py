@@ -91,8 +91,8 @@ def demo(
         return
     from pydantic import ValidationError
 
-    from deploy.demo.launcher import ProcessFailed
     from deploy.demo.settings import DemoSettings
+    from deploy.processes import ProcessFailed
 
     with user_errors():
         _check_inputs(store_url, codec)

@@ -11,19 +11,17 @@ from __future__ import annotations
 
 import logging
 import secrets
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from deploy.demo.launcher import ManagedProcess, ProcessFailed, ProcessGroup, free_port
 from deploy.demo.settings import DemoSettings
+from deploy.processes import TETHER, ManagedProcess, ProcessFailed, ProcessGroup, free_port
 
 log = logging.getLogger(__name__)
 
-TETHER = str(Path(sys.executable).with_name("tether"))
 ROLES = ("trainer", "engine", "client")
 
 

@@ -28,10 +28,10 @@ from deploy.demo.fleet import (
     start_controlplane,
     start_engines,
 )
-from deploy.demo.launcher import ProcessGroup
 from deploy.demo.report import DemoTotals, StepRecord, print_header, print_step, print_summary
 from deploy.demo.settings import DemoSettings
 from deploy.demo.task import Problem, reward, sample_problems
+from deploy.processes import ProcessGroup
 
 log = logging.getLogger(__name__)
 

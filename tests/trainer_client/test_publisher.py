@@ -228,7 +228,7 @@ def test_the_control_plane_hears_of_every_version_even_after_being_down(tmp_path
     import httpx
 
     from deploy.demo.fleet import start_controlplane
-    from deploy.demo.launcher import ProcessGroup
+    from deploy.processes import ProcessGroup
 
     store = str(tmp_path / "store")
     db = f"sqlite:///{tmp_path / 'cp.db'}"

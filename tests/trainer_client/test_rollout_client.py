@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from deploy.demo.fleet import ControlPlane, start_controlplane
-from deploy.demo.launcher import ManagedProcess, ProcessGroup, free_port
+from deploy.processes import ManagedProcess, ProcessGroup, free_port
 from store.types import VersionConstraint
 from trainer_client.publisher import Publisher
 from trainer_client.rollout_client import (
