@@ -40,7 +40,8 @@ def _unquote(name: str) -> str:
     return name
 
 
-def _strip_prefix(name: str) -> str | None:
+def strip_diff_name(name: str) -> str | None:
+    """A path as a diff header names it: unquoted, without a/ b/; None for /dev/null."""
     name = _unquote(name.split("\t", 1)[0].strip())
     if name == "/dev/null":
         return None
@@ -66,7 +67,7 @@ def patch_paths(diff: str) -> set[str]:
                     candidates = [value]
                     break
         for candidate in candidates:
-            path = _strip_prefix(candidate)
+            path = strip_diff_name(candidate)
             if path:
                 paths.add(posixpath.normpath(path))
     return paths
@@ -78,7 +79,7 @@ def added_paths(diff: str) -> set[str]:
     previous = ""
     for line in diff.splitlines():
         if line.startswith("+++ ") and previous.startswith("--- /dev/null"):
-            path = _strip_prefix(line[4:])
+            path = strip_diff_name(line[4:])
             if path:
                 added.add(posixpath.normpath(path))
         previous = line

@@ -1,11 +1,13 @@
 """Coding-agent rewards: apply a policy's patch to a task and run its required tests, isolated.
 
-Order, each step inside the sandbox unless noted: (host) build the fresh base snapshot and
-reject patches touching protected paths → upload → check the interpreter runs pytest →
-setup command → strict `git apply` of the policy patch → restore the task's test files and
-remove files the test patch creates → apply the test patch → run the tests with the report
-written outside the repository under a per-run name → parse the report, cross-check the
-runner's exit status, require every required test PASSED.
+Order, each step inside the sandbox unless noted: (host) reject patches touching protected
+paths or whose added source lines reach into the test harness (`harness_guard`) → build the
+fresh base snapshot → upload → check the interpreter runs pytest → setup command → strict
+`git apply` of the policy patch → restore the task's test files and remove files the test
+patch creates → apply the test patch → run the tests through our launcher
+(`sandboxes.pytest_plugin`), its secrets given on stdin → parse the JUnit report, check its
+nonce, the runner's exit status and the launcher's signed records against each other,
+require every required test PASSED.
 
 Reward 1 only then. Policy outcomes (patch does not apply, protected path, failures,
 timeout, output cap, missing or forged report) give 0. Failures of the environment (no
@@ -15,6 +17,7 @@ isolation, interpreter cannot run pytest, setup or test patch fails, bad task) g
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 import tempfile
@@ -24,10 +27,13 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
+from sandboxes import pytest_plugin
 from sandboxes.base import ExecResult, Sandbox, SandboxSpec
 from sandboxes.errors import InvalidTask, SandboxError
+from sandboxes.harness_guard import harness_reaches
 from sandboxes.parsers import ReportParser, ReportUnreadable, TestOutcome, TestReport, get_parser
 from sandboxes.protection import added_paths, patch_paths, protected_violations
+from sandboxes.pytest_plugin import LAUNCHER_NAME, Records, read_records
 from sandboxes.snapshot import build_snapshot
 from sandboxes.task import Task
 
@@ -130,6 +136,11 @@ def _score_into(
     violations = protected_violations(task, touched)
     if violations:
         raise _fail(f"the patch touches protected paths: {', '.join(violations)}")
+    reaches = harness_reaches(patch) if task.harness_guard else []
+    if reaches:
+        shown = "; ".join(reach.describe() for reach in reaches[:3])
+        more = f" (and {len(reaches) - 3} more)" if len(reaches) > 3 else ""
+        raise _fail(f"patch reaches into the test harness: {shown}{more}")
     with tempfile.TemporaryDirectory(prefix="tether-snapshot-") as scratch:
         snapshot = Path(scratch) / "repo"
         try:
@@ -178,27 +189,69 @@ def _run_in(
         applied = _git_apply(sandbox, f"{scorer}/test.diff")
         if not applied.ok:
             raise _infra(f"the task's test patch does not apply ({applied.describe()})", applied)
-    nonce = secrets.token_hex(16)
-    report_path = f"{sandbox.dir(REPORT_DIR)}/{nonce}.xml"
-    # No entry-point plugins: faster, and nothing installed can rewrite reports behind us.
-    # A task that needs a plugin names it in test_args (`-p pytest_timeout`).
-    run = sandbox.exec(
-        _test_command(task, python, report_path, nonce),
-        env={"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"},
-        timeout_s=task.timeout_s,
-    )
+    tests = _run_tests(sandbox, task, python)
+    run = tests.run
     result.output_tail = _tail(run)
     if run.timed_out:
         raise _fail(f"the tests did not finish within {task.timeout_s:g} s", run)
     if run.output_limited:
         raise _fail("the tests printed more than the output cap and were killed", run)
     try:
-        report = parser.parse(sandbox.read_file(report_path))
+        report = parser.parse(sandbox.read_file(tests.report_path))
     except FileNotFoundError:
         raise _fail(f"the test run wrote no report ({run.describe()})", run) from None
     except ReportUnreadable as error:
         raise _fail(f"the test report is unreadable: {error}", run) from None
-    _judge(result, task, report, run, nonce)
+    _judge_report(report, run, tests.nonce)
+    if tests.records_path:
+        records = read_records(_read_optional(sandbox, tests.records_path), tests.key)
+        _cross_check(task, report, run, records)
+    _award(result, task, report, run)
+
+
+@dataclass(frozen=True)
+class _TestRun:
+    """One run of the tests and what it was told in secret, to check its outputs against."""
+
+    run: ExecResult
+    report_path: str
+    nonce: str
+    key: bytes = b""
+    records_path: str = ""
+
+
+def _run_tests(sandbox: Sandbox, task: Task, python: str) -> _TestRun:
+    nonce = secrets.token_hex(16)
+    report_dir = sandbox.dir(REPORT_DIR)
+    report_path = f"{report_dir}/{secrets.token_hex(16)}.xml"
+    # No entry-point plugins: faster, and nothing installed can rewrite reports behind us.
+    # A task that needs a plugin names it in test_args (`-p pytest_timeout`).
+    env = {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    if task.test_command:
+        fill = {"{python}": python, "{report}": report_path, "{nonce}": nonce}
+        argv = [fill.get(arg, arg) for arg in task.test_command]
+        return _TestRun(sandbox.exec(argv, env=env, timeout_s=task.timeout_s), report_path, nonce)
+    # Our launcher reads the secrets from stdin before any task code runs: nothing of them
+    # is on the command line, in the environment or in a file the tests could read.
+    key = secrets.token_bytes(32)
+    records_path = f"{report_dir}/{secrets.token_hex(16)}.records"
+    launcher = f"{sandbox.dir(SCORER_DIR)}/{LAUNCHER_NAME}"
+    sandbox.write_file(launcher, Path(pytest_plugin.__file__).read_bytes())
+    told = {"key": key.hex(), "records": records_path, "junitxml": report_path, "nonce": nonce}
+    run = sandbox.exec(
+        [python, launcher, *PYTEST_ARGS, *task.test_args],
+        env=env,
+        timeout_s=task.timeout_s,
+        stdin=json.dumps(told).encode(),
+    )
+    return _TestRun(run, report_path, nonce, key, records_path)
+
+
+def _read_optional(sandbox: Sandbox, path: str) -> bytes:
+    try:
+        return sandbox.read_file(path)
+    except FileNotFoundError:
+        return b""
 
 
 def _git_apply(sandbox: Sandbox, diff_path: str) -> ExecResult:
@@ -222,35 +275,22 @@ def _restore_test_files(sandbox: Sandbox, task: Task) -> None:
             raise _infra(f"could not restore the task's test files: {done.describe()}")
 
 
-def _test_command(task: Task, python: str, report_path: str, nonce: str) -> list[str]:
-    if task.test_command:
-        fill = {"{python}": python, "{report}": report_path, "{nonce}": nonce}
-        return [fill.get(arg, arg) for arg in task.test_command]
-    return [
-        python,
-        "-m",
-        "pytest",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "-p",
-        "no:randomly",
-        "-o",
-        "junit_family=xunit1",
-        "-o",
-        "junit_logging=no",
-        "-o",
-        f"junit_suite_name={nonce}",
-        f"--junitxml={report_path}",
-        "--rootdir=.",
-        "--confcutdir=.",
-        *task.test_args,
-    ]
+PYTEST_ARGS = (
+    "-q",
+    "-p",
+    "no:cacheprovider",
+    "-p",
+    "no:randomly",
+    "-o",
+    "junit_family=xunit1",
+    "-o",
+    "junit_logging=no",
+    "--rootdir=.",
+    "--confcutdir=.",
+)
 
 
-def _judge(
-    result: ScoreResult, task: Task, report: TestReport, run: ExecResult, nonce: str
-) -> None:
+def _judge_report(report: TestReport, run: ExecResult, nonce: str) -> None:
     if report.suite_name != nonce:
         raise _fail(
             "the test report does not carry this run's nonce; it was not written by it", run
@@ -262,6 +302,41 @@ def _judge(
             f"the report and the runner's exit code {run.exit_code} disagree; treating as forged",
             run,
         )
+
+
+def _cross_check(task: Task, report: TestReport, run: ExecResult, records: Records) -> None:
+    """The plugin's signed records must exist, be complete, and agree with everything else."""
+    if records.forged:
+        raise _fail(f"the plugin's records were tampered with: {records.forged}", run)
+    if records.exitstatus is None:
+        raise _fail(
+            "the test process ended before pytest finished its session (no final record "
+            f"from the scorer's plugin; {run.describe()}); treating as forged",
+            run,
+        )
+    if records.exitstatus != run.exit_code:
+        raise _fail(
+            f"pytest's session ended with status {records.exitstatus} but the process exited "
+            f"with {run.exit_code}; treating as forged",
+            run,
+        )
+    if run.exit_code == PYTEST_EXIT_OK and records.ran != records.collected:
+        raise _fail(
+            f"pytest collected {records.collected} tests but ran {records.ran} and still "
+            "exited 0; treating as forged",
+            run,
+        )
+    for test_id in task.required:
+        recorded, reported = records.outcomes.get(test_id), report.outcomes.get(test_id)
+        if reported is not None and recorded != reported.value:
+            raise _fail(
+                f"the JUnit report says {test_id} {reported.value} but the plugin recorded "
+                f"{recorded}; treating as forged",
+                run,
+            )
+
+
+def _award(result: ScoreResult, task: Task, report: TestReport, run: ExecResult) -> None:
     missing = object()
     for test_id in task.required:
         outcome = report.outcomes.get(test_id, missing)

@@ -20,6 +20,8 @@ class Task(BaseModel):
     `repo` is a git folder or a git bundle (relative paths are resolved against the task
     file's folder). `test_command`, when given, replaces the default pytest command; in it
     `{python}` and `{report}` stand for the interpreter and the report file the scorer reads.
+    `harness_guard` (on by default) gives 0 to patches whose added source lines reach into
+    the test harness (`sandboxes.harness_guard`); turn it off only for tasks about pytest.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -35,6 +37,7 @@ class Task(BaseModel):
     setup_command: list[str] | None = None
     test_patch: str = ""
     protected_paths: list[str] = Field(default_factory=list)
+    harness_guard: bool = True
     python: str | None = None
     timeout_s: float = Field(default=300.0, gt=0)
     setup_timeout_s: float = Field(default=300.0, gt=0)

@@ -13,6 +13,7 @@ import pytest
 
 from sandboxes.errors import InvalidTask
 from sandboxes.example import OPS_BUGGY, OPS_FIXED, ExampleTask, diff_of, git, make_example_task
+from sandboxes.pytest_plugin import COLLECTED, FINAL, RECORD_PREFIX, TEST, read_records, sign
 from sandboxes.scoring import ScoreStatus, score
 from sandboxes.task import load_task
 
@@ -206,8 +207,118 @@ atexit.register(_forge)
 
 
 def test_forged_prints_and_junit_reports_score_zero(example: ExampleTask):
-    result = score_change(example, {"calc/ops.py": ops_with(FORGER)})
-    assert_zero(result, "disagree")
+    result = score_change(example, {"calc/ops.py": ops_with(FORGER)}, harness_guard=False)
+    assert_zero(result, "does not carry this run's nonce")
+
+
+ARGV_EXIT_FORGER = FORGER.replace(
+    "atexit.register(_forge)\n", "_forge()\nsys.stdout.flush()\nos._exit(0)\n"
+)
+
+
+def test_a_forger_reading_the_command_line_finds_no_secret_there(example: ExampleTask):
+    """The old hole: read report path and nonce from argv, forge, exit 0 before pytest can."""
+    changes = {"calc/ops.py": ops_with(ARGV_EXIT_FORGER)}
+    result = score_change(example, changes, harness_guard=False)
+    assert_zero(result, "the test run wrote no report (exit code 0)")
+
+
+GC_EXIT_FORGER = (
+    FORGER.split("\n\ndef _forge")[0]
+    + """
+
+def _forge():
+    import gc
+
+    config = next(o for o in gc.get_objects() if type(o).__name__ == "Config")
+    with open(config.option.xmlpath, "w") as handle:
+        handle.write(FORGED % config.getini("junit_suite_name"))
+    sys.stdout.flush()
+    os._exit(0)
+
+
+_forge()
+"""
+)
+
+
+def test_a_forger_that_finds_the_secrets_in_memory_and_exits_early_scores_zero(
+    example: ExampleTask,
+):
+    """Walking gc defeats the secret channel; dying before pytest's session end does not pay."""
+    changes = {"calc/ops.py": ops_with(GC_EXIT_FORGER)}
+    result = score_change(example, changes, harness_guard=False)
+    assert_zero(result, "no final record from the scorer's plugin")
+    guarded = score_change(example, changes)
+    assert_zero(guarded, "patch reaches into the test harness: calc/ops.py:+")
+    assert "(gc walking)" in guarded.reason and "(hard exit)" in guarded.reason
+
+
+OUTCOME_REWRITER = """import gc
+
+import pytest
+
+
+class _Cheat:
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        outcome = yield
+        report = outcome.get_result()
+        report.outcome = "passed"
+        report.longrepr = None
+
+
+for _found in gc.get_objects():
+    if type(_found).__name__ == "Config":
+        _found.pluginmanager.register(_Cheat(), "cheat")
+        break
+"""
+
+
+def test_a_patch_rewriting_outcomes_in_process_is_stopped_by_the_harness_guard(
+    example: ExampleTask,
+):
+    """The residual risk, for real: in-process code can re-register hooks; only the guard
+    (a static tripwire) stops this form of it."""
+    changes = {"calc/ops.py": ops_with(OUTCOME_REWRITER)}
+    assert score_change(example, changes, harness_guard=False).reward == 1
+    result = score_change(example, changes)
+    assert_zero(result, "patch reaches into the test harness: calc/ops.py:+3 'import pytest'")
+
+
+def test_a_patch_importing_pytest_internals_scores_zero_naming_the_line(example: ExampleTask):
+    result = score_change(example, {"calc/ops.py": ops_with("import _pytest", "return a + b")})
+    assert_zero(result, "patch reaches into the test harness: calc/ops.py:+1 'import _pytest'")
+
+
+def test_the_signed_records_of_a_run_cannot_be_edited_reordered_or_cut_short():
+    key = b"k" * 32
+    recorder_lines = []
+    for seq, body in enumerate(
+        (
+            {"kind": COLLECTED, "count": 1},
+            {"kind": TEST, "nodeid": "t::a", "outcome": "failed"},
+            {"kind": FINAL, "exitstatus": 1, "ran": 1},
+        ),
+        start=1,
+    ):
+        text = json.dumps({"seq": seq, **body}, sort_keys=True)
+        recorder_lines.append(f"{RECORD_PREFIX} {sign(key, text)} {text}")
+    honest = read_records("\n".join(recorder_lines).encode(), key)
+    assert (honest.outcomes, honest.collected, honest.ran, honest.exitstatus) == (
+        {"t::a": "failed"},
+        1,
+        1,
+        1,
+    )
+    assert not honest.forged
+    edited = "\n".join(recorder_lines).replace('"failed"', '"passed"').encode()
+    assert "not signed" in read_records(edited, key).forged
+    swapped = "\n".join([recorder_lines[1], recorder_lines[0], recorder_lines[2]]).encode()
+    assert "out of sequence" in read_records(swapped, key).forged
+    cut = read_records("\n".join(recorder_lines[:2]).encode(), key)
+    assert cut.exitstatus is None and not cut.forged
+    assert "not signed" in read_records("\n".join(recorder_lines).encode(), b"x" * 32).forged
 
 
 def test_a_solution_in_git_history_is_out_of_reach(example: ExampleTask):
