@@ -6,7 +6,12 @@ routing decision time with 1,000 registered engines, and heartbeat latency with 
 simulated engines at 1 Hz on SQLite (and on PostgreSQL when `--pg-url` is given).
 The last line printed is one JSON object of the figures.
 
-Run: `tether bench router` or `python -m bench.router --requests 2000`.
+Method: a bare asyncio HTTP/1.1 keep-alive client (the servers share the machine with
+it). Added latency is the difference of medians of sequential requests (one in flight),
+interleaved across the paths round by round so drift cancels; throughput is measured
+separately with `--concurrency` connections, the paths alternating over two rounds.
+
+Run: `tether bench router` or `python -m bench.router --samples 2000 --requests 2000`.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import json
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -82,11 +88,13 @@ class Processes:
                 proc.kill()
 
 
-def _start_controlplane(procs: Processes, db_url: str, store: Path, **env: str) -> str:
+def _start_controlplane(
+    procs: Processes, db_url: str, store: Path, workers: int = 1, **env: str
+) -> str:
     port = _free_port()
     tether = str(Path(sys.executable).with_name("tether"))
     argv = [tether, "controlplane", "serve", "--db", db_url, "--store", str(store),
-            "--port", str(port), "--log-level", "warning"]  # fmt: skip
+            "--port", str(port), "--log-level", "warning", "--workers", str(workers)]  # fmt: skip
     proc = procs.start(
         f"controlplane-{port}", argv, {**os.environ, "TETHER_ADMIN_TOKEN": ADMIN, **env}
     )
@@ -110,37 +118,147 @@ def _publish(store: Path, cp: str, run_id: str, version: int) -> None:
     ).raise_for_status()
 
 
-async def _drive(
-    urls: list[str], requests: int, concurrency: int, headers: dict[str, str]
-) -> dict[str, float]:
+class RawConnection:
+    """One HTTP/1.1 keep-alive connection speaking just enough of the protocol to post.
+
+    A full-featured Python client costs more CPU per request than the servers it measures,
+    and on a 2-core machine that CPU is taken from them; this one costs a few tens of µs.
+    Replies may carry Content-Length or chunked transfer encoding.
+    """
+
+    def __init__(self, reader: Any, writer: Any, host: str, headers: dict[str, str]) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.prefix = f"HTTP/1.1\r\nHost: {host}\r\n" + "".join(
+            f"{k}: {v}\r\n" for k, v in headers.items()
+        )
+
+    @classmethod
+    async def open(cls, url: str, headers: dict[str, str] | None = None) -> RawConnection:
+        import asyncio
+        from urllib.parse import urlsplit
+
+        where = urlsplit(url)
+        reader, writer = await asyncio.open_connection(where.hostname, where.port)
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return cls(reader, writer, where.netloc, headers or {})
+
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        head = (
+            f"POST {path} {self.prefix}Content-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        )
+        self.writer.write(head.encode() + body)
+        status_line = await self.reader.readline()
+        if not status_line:
+            raise ConnectionError(f"connection closed before answering POST {path}")
+        status = int(status_line.split()[1])
+        length, chunked = 0, False
+        while (line := await self.reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.partition(b":")
+            name = name.strip().lower()
+            if name == b"content-length":
+                length = int(value)
+            elif name == b"transfer-encoding" and b"chunked" in value.lower():
+                chunked = True
+        if not chunked:
+            return status, await self.reader.readexactly(length)
+        parts = []
+        while size := int((await self.reader.readline()).split(b";")[0], 16):
+            parts.append(await self.reader.readexactly(size))
+            await self.reader.readline()
+        await self.reader.readline()
+        return status, b"".join(parts)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+GENERATE_BODY = json.dumps(
+    {"text": "hello", "weight_version": {"min_version": 1}, "sampling_params": {}}
+).encode()
+
+
+class Target:
+    """One way to reach the stand-ins: base URLs (connections spread over them), the
+    generate path and the request headers."""
+
+    def __init__(self, name: str, bases: list[str], path: str, headers: dict[str, str]) -> None:
+        self.name, self.bases, self.path, self.headers = name, bases, path, headers
+
+    async def connect(self, i: int = 0) -> RawConnection:
+        return await RawConnection.open(self.bases[i % len(self.bases)], self.headers)
+
+
+async def _call(conn: RawConnection, path: Target) -> float:
+    start = time.perf_counter()
+    status, reply = await conn.post(path.path, GENERATE_BODY)
+    took = time.perf_counter() - start
+    if status != 200:
+        raise RuntimeError(f"{path.name} answered {status}: {reply[:200]!r}")
+    return took
+
+
+async def _latencies(paths: list[Target], samples: int) -> dict[str, list[float]]:
+    """Sequential requests (one in flight), interleaved across paths round by round.
+
+    Each round sends one request on every path, in an order that rotates, so load from
+    elsewhere on the machine and slow drift touch every path alike and cancel in the
+    differences of medians.
+    """
+    conns = [await p.connect() for p in paths]
+    for conn, p in zip(conns, paths, strict=True):  # warm up each path
+        for _ in range(20):
+            await _call(conn, p)
+    out: dict[str, list[float]] = {p.name: [] for p in paths}
+    for i in range(samples):
+        k = i % len(paths)
+        for conn, p in (
+            list(zip(conns, paths, strict=True))[k:] + list(zip(conns, paths, strict=True))[:k]
+        ):
+            out[p.name].append(await _call(conn, p))
+    for conn in conns:
+        conn.close()
+    return out
+
+
+async def _throughput(path: Target, requests: int, concurrency: int) -> float:
+    """Requests per second with `concurrency` keep-alive connections kept busy."""
     import asyncio
 
-    import httpx
-
-    body = {"text": "hello", "weight_version": {"min_version": 1}, "sampling_params": {}}
-    latencies: list[float] = []
+    conns = [await path.connect(i) for i in range(concurrency)]
+    await asyncio.gather(*(_call(c, path) for c in conns))
     counter = iter(range(requests))
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(timeout=30, limits=limits, headers=headers) as client:
 
-        async def worker() -> None:
-            for i in counter:
-                url = urls[i % len(urls)]
-                start = time.perf_counter()
-                reply = await client.post(url, json=body)
-                latencies.append(time.perf_counter() - start)
-                if reply.status_code != 200:
-                    raise RuntimeError(f"{url} answered {reply.status_code}: {reply.text[:200]}")
+    async def worker(conn: RawConnection) -> None:
+        for _ in counter:
+            await _call(conn, path)
 
-        for _ in range(min(50, requests)):  # warm connections
-            await client.post(urls[0], json=body)
-        begin = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        elapsed = time.perf_counter() - begin
+    begin = time.perf_counter()
+    await asyncio.gather(*(worker(c) for c in conns))
+    elapsed = time.perf_counter() - begin
+    for conn in conns:
+        conn.close()
+    return requests / elapsed
+
+
+async def _compare(
+    paths: list[Target], samples: int, requests: int, concurrency: int, rounds: int = 2
+) -> dict[str, dict[str, float]]:
+    """Latency at concurrency 1 (interleaved), then throughput, alternating paths."""
+    lat = await _latencies(paths, samples)
+    done = {p.name: 0.0 for p in paths}
+    for _ in range(rounds):
+        for p in paths:
+            done[p.name] += requests / await _throughput(p, requests, concurrency)
     return {
-        "rps": requests / elapsed,
-        "p50_ms": _percentile(latencies, 0.5) * 1e3,
-        "p99_ms": _percentile(latencies, 0.99) * 1e3,
+        p.name: {
+            "rps": rounds * requests / done[p.name],
+            "p50_ms": statistics.median(lat[p.name]) * 1e3,
+            "p99_ms": _percentile(lat[p.name], 0.99) * 1e3,
+        }
+        for p in paths
     }
 
 
@@ -185,37 +303,14 @@ def _decision_time(engines: int) -> float:
     return (time.perf_counter() - start) / n * 1e6
 
 
-async def _post_raw(reader: Any, writer: Any, host: str, path: str, body: bytes) -> int:
-    """One POST over an open keep-alive connection; return the status code.
-
-    A bare HTTP/1.1 exchange: at 1,000 requests a second a full-featured Python client
-    costs more CPU than the server it measures, on a 2-core machine.
-    """
-    head = (
-        f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {ADMIN}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-    )
-    writer.write(head.encode() + body)
-    await writer.drain()
-    status = int((await reader.readline()).split()[1])
-    length = 0
-    while (line := await reader.readline()) not in (b"\r\n", b""):
-        if line.lower().startswith(b"content-length:"):
-            length = int(line.split(b":", 1)[1])
-    await reader.readexactly(length)
-    return status
-
-
 def _heartbeats(cp: str, engines: int, seconds: float, connections: int = 50) -> float:
     """p99 heartbeat latency (ms) with `engines` engines beating once a second each."""
     import asyncio
-    from urllib.parse import urlsplit
 
     import httpx
 
     headers = {"Authorization": f"Bearer {ADMIN}"}
     httpx.post(f"{cp}/v1/runs", json={"run_id": "hb"}, headers=headers)
-    where = urlsplit(cp)
 
     async def main() -> float:
         limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
@@ -242,7 +337,7 @@ def _heartbeats(cp: str, engines: int, seconds: float, connections: int = 50) ->
         begin = loop.time() + 0.5
 
         async def connection(slot: int) -> None:
-            reader, writer = await asyncio.open_connection(where.hostname, where.port)
+            conn = await RawConnection.open(cp, headers)
             mine = [(k / engines, ids[k]) for k in range(slot, engines, connections)]
             for tick in range(int(seconds)):
                 for offset, engine_id in mine:
@@ -251,13 +346,11 @@ def _heartbeats(cp: str, engines: int, seconds: float, connections: int = 50) ->
                         {"applied_version": 0, "sync_state": "ready", "in_flight": tick % 4}
                     ).encode()
                     start = time.perf_counter()
-                    status = await _post_raw(
-                        reader, writer, where.netloc, f"/v1/engines/{engine_id}/heartbeat", body
-                    )
+                    status, _ = await conn.post(f"/v1/engines/{engine_id}/heartbeat", body)
                     latencies.append(time.perf_counter() - start)
                     if status != 200:
                         raise RuntimeError(f"heartbeat of {engine_id} answered {status}")
-            writer.close()
+            conn.close()
 
         await asyncio.gather(*(connection(i) for i in range(min(connections, engines))))
         return _percentile(latencies, 0.99) * 1e3
@@ -266,11 +359,15 @@ def _heartbeats(cp: str, engines: int, seconds: float, connections: int = 50) ->
 
 
 def run(
-    requests: int = typer.Option(2000, help="requests per path (direct, Tether, Rust router)"),
+    samples: int = typer.Option(2000, help="sequential requests per path for added latency"),
+    requests: int = typer.Option(2000, help="requests per path and round for throughput"),
     concurrency: int = typer.Option(16, help="requests in flight at once"),
     engines: int = typer.Option(2, help="engine stand-ins behind the routers"),
+    workers: int = typer.Option(1, help="control-plane processes behind Tether's port"),
     fleet: int = typer.Option(1000, help="engines for the decision and heartbeat figures"),
-    heartbeat_seconds: float = typer.Option(10, help="seconds of 1 Hz heartbeats to measure"),
+    heartbeat_seconds: float = typer.Option(
+        10, help="seconds of 1 Hz heartbeats to measure (0: skip the heartbeat figures)"
+    ),
     pg_url: str = typer.Option(None, help="PostgreSQL URL for the heartbeat figure (optional)"),
 ) -> None:
     """Tether's router vs direct vs SGLang's Rust router; decisions and heartbeats at scale."""
@@ -286,7 +383,7 @@ def run(
     try:
         store = work / "store"
         store.mkdir()
-        cp = _start_controlplane(procs, f"sqlite:///{work / 'cp.db'}", store)
+        cp = _start_controlplane(procs, f"sqlite:///{work / 'cp.db'}", store, workers)
         _publish(store, cp, "bench", 1)
         import httpx
 
@@ -309,21 +406,25 @@ def run(
             time.sleep(0.1)
         time.sleep(1.0)  # let every process's snapshot see the fleet
 
-        console.print(
-            f"[bold]router[/bold]: {requests} requests x 3 paths, {concurrency} in flight"
-        )
-        direct = asyncio.run(_drive([u + "/generate" for u in urls], requests, concurrency, {}))
-        tether = asyncio.run(_drive([cp + "/v1/generate"], requests, concurrency, headers))
         rust_url, why = _start_rust_router(procs, urls)
-        rust = (
-            asyncio.run(_drive([rust_url + "/generate"], requests, concurrency, {}))
-            if rust_url
-            else None
-        )
         if why:
             console.print(f"[yellow]SGLang Rust router skipped:[/yellow] {why}")
+        targets = [
+            Target("direct", urls, "/generate", {}),
+            Target("tether", [cp], "/v1/generate", headers),
+        ]
+        if rust_url:
+            targets.append(Target("sglang-router", [rust_url], "/generate", {}))
+        console.print(
+            f"[bold]router[/bold]: {samples} sequential requests per path, interleaved; "
+            f"then {requests} requests x {len(targets)} paths x 2 rounds, {concurrency} in flight"
+        )
+        found = asyncio.run(_compare(targets, samples, requests, concurrency))
+        direct, tether, rust = found["direct"], found["tether"], found.get("sglang-router")
 
-        table = Table("path", "req/s", "p50 ms", "p99 ms", "p50 added ms", "p99 added ms")
+        table = Table(
+            "path", "req/s", "p50 ms (1 in flight)", "p99 ms", "p50 added ms", "p99 added ms"
+        )
         for name, r in (("direct", direct), ("tether", tether), ("sglang-router", rust)):
             if r is None:
                 table.add_row(name, "n/a", "n/a", "n/a", "n/a", "n/a")
@@ -331,16 +432,17 @@ def run(
             table.add_row(
                 name,
                 f"{r['rps']:.0f}",
-                f"{r['p50_ms']:.2f}",
-                f"{r['p99_ms']:.2f}",
-                f"{r['p50_ms'] - direct['p50_ms']:.2f}",
-                f"{r['p99_ms'] - direct['p99_ms']:.2f}",
+                f"{r['p50_ms']:.3f}",
+                f"{r['p99_ms']:.3f}",
+                f"{r['p50_ms'] - direct['p50_ms']:.3f}",
+                f"{r['p99_ms'] - direct['p99_ms']:.3f}",
             )
         console.print(table)
         figures.update(
             router_rps=round(tether["rps"], 1),
             direct_rps=round(direct["rps"], 1),
             rust_rps=round(rust["rps"], 1) if rust else None,
+            direct_p50_ms=round(direct["p50_ms"], 3),
             router_p50_added_ms=round(tether["p50_ms"] - direct["p50_ms"], 3),
             router_p99_added_ms=round(tether["p99_ms"] - direct["p99_ms"], 3),
             rust_p50_added_ms=round(rust["p50_ms"] - direct["p50_ms"], 3) if rust else None,
@@ -356,14 +458,17 @@ def run(
         figures["route_decision_us_1000"] = round(_decision_time(fleet), 2)
         console.print(f"routing decision, {fleet} engines: {figures['route_decision_us_1000']} us")
 
-        hb_cp = _start_controlplane(procs, f"sqlite:///{work / 'hb.db'}", store, **LONG_LEASE)
-        figures["heartbeat_p99_ms_sqlite"] = round(_heartbeats(hb_cp, fleet, heartbeat_seconds), 2)
-        console.print(
-            f"heartbeat p99, {fleet} engines at 1 Hz, SQLite: "
-            f"{figures['heartbeat_p99_ms_sqlite']} ms"
-        )
-        figures["heartbeat_p99_ms_postgres"] = None
-        if pg_url:
+        figures["heartbeat_p99_ms_sqlite"] = figures["heartbeat_p99_ms_postgres"] = None
+        if heartbeat_seconds > 0:
+            hb_cp = _start_controlplane(procs, f"sqlite:///{work / 'hb.db'}", store, **LONG_LEASE)
+            figures["heartbeat_p99_ms_sqlite"] = round(
+                _heartbeats(hb_cp, fleet, heartbeat_seconds), 2
+            )
+            console.print(
+                f"heartbeat p99, {fleet} engines at 1 Hz, SQLite: "
+                f"{figures['heartbeat_p99_ms_sqlite']} ms"
+            )
+        if pg_url and heartbeat_seconds > 0:
             pg_cp = _start_controlplane(procs, pg_url, store, **LONG_LEASE)
             figures["heartbeat_p99_ms_postgres"] = round(
                 _heartbeats(pg_cp, fleet, heartbeat_seconds), 2
@@ -374,7 +479,14 @@ def run(
     finally:
         procs.stop()
         shutil.rmtree(work, ignore_errors=True)
-    figures.update(requests=requests, concurrency=concurrency, engines=engines, fleet=fleet)
+    figures.update(
+        workers=workers,
+        samples=samples,
+        requests=requests,
+        concurrency=concurrency,
+        engines=engines,
+        fleet=fleet,
+    )
     print(json.dumps(figures))
 
 

@@ -15,7 +15,6 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.responses import Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -26,10 +25,12 @@ from controlplane import db as dbmod
 from controlplane.auth import TokenChecker, ensure_admin_token, mint_token
 from controlplane.errors import ERROR_RESPONSES, EngineUnknown, NoVersionYet, install_handlers
 from controlplane.fleet import Fleet
+from controlplane.heartbeats import Heartbeats
+from controlplane.hotpath import HotPath
 from controlplane.metrics import Metrics
 from controlplane.middleware import BodyLimit, RequestMetrics
 from controlplane.pointer import confirm_published
-from controlplane.proxy import Proxy, not_ready, resolve_run, validation_error
+from controlplane.proxy import Proxy, not_ready, open_client, resolve_run, validation_error
 from controlplane.registry import Registry
 from controlplane.router import pick
 from controlplane.runs import Runs
@@ -115,6 +116,7 @@ class ControlPlane:
     runs: Runs
     fleet: Fleet
     metrics: Metrics
+    heartbeats: Heartbeats
     proxy: Proxy | None = None
     first_admin_token: str | None = None
     version_events: list[asyncio.Event] = field(default_factory=list)
@@ -126,6 +128,7 @@ class ControlPlane:
         metrics = Metrics()
         registry = Registry(sessions, settings.lease_seconds)
         runs = Runs(sessions, settings.store)
+        fleet = Fleet(registry, runs, metrics, settings.snapshot_refresh_s)
         return cls(
             settings=settings,
             engine=engine,
@@ -133,8 +136,9 @@ class ControlPlane:
             tokens=TokenChecker(sessions, settings.token_cache_s),
             registry=registry,
             runs=runs,
-            fleet=Fleet(registry, runs, metrics, settings.snapshot_refresh_s),
+            fleet=fleet,
             metrics=metrics,
+            heartbeats=Heartbeats(registry, runs, fleet),
         )
 
     def wake_version_waiters(self) -> None:
@@ -189,10 +193,7 @@ def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:
             request: Request,
             _creds: HTTPAuthorizationCredentials | None = Depends(bearer),
         ) -> Role:
-            digest = cp.tokens.digest(request.headers.get("authorization"))
-            hit, found = cp.tokens.cached(digest)
-            if not hit:
-                found = await asyncio.to_thread(cp.tokens.lookup, digest)
+            found = await cp.tokens.role_of(request.headers.get("authorization"))
             return cp.tokens.check(found, allowed)
 
         return dependency
@@ -202,19 +203,18 @@ def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:
         cp.first_admin_token = await asyncio.to_thread(
             ensure_admin_token, cp.sessions, settings.admin_token
         )
-        client = httpx.AsyncClient(
-            timeout=httpx.Timeout(settings.proxy_timeout_s, connect=5.0),
-            limits=httpx.Limits(max_connections=2048, max_keepalive_connections=512),
-        )
+        client = open_client(settings.proxy_timeout_s)
         cp.proxy = Proxy(
             cp.fleet, cp.metrics, client, settings.route_attempts, settings.default_retry_after_s
         )
         await cp.fleet.start()
+        await cp.heartbeats.writer.start()
         try:
             yield
         finally:
+            await cp.heartbeats.writer.stop()
             await cp.fleet.stop()
-            await client.aclose()
+            await client.close()
             cp.engine.dispose()
 
     app = FastAPI(
@@ -227,6 +227,9 @@ def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:
     )
     app.state.cp = cp
     install_handlers(app)
+    # Innermost: the hot routes skip FastAPI's routing and dependencies but not the body
+    # limit or the request metrics.
+    app.add_middleware(HotPath, cp=cp)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     app.add_middleware(RequestMetrics, metrics=cp.metrics)
 
@@ -343,26 +346,14 @@ def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:
         )
 
     @app.post("/v1/engines/{engine_id}/heartbeat", response_model=HeartbeatReply, tags=["engines"])
-    def heartbeat(engine_id: str, body: Heartbeat, _: Role = Depends(role(ENGINE))) -> Response:
-        expires = cp.registry.heartbeat(engine_id, body)
-        snap = cp.fleet.snapshot
-        seen = snap.engines.get(engine_id)
-        if (
-            seen is None
-            or seen.applied_version != body.applied_version
-            or seen.sync_state != body.sync_state
-            or seen.staging_target != body.staging_target
-        ):
-            cp.fleet.poke()
-        run_id = seen.run_id if seen else None
-        target = snap.targets.get(engine_id)
-        if seen is None:
-            rows = cp.registry.rows(engine_id)
-            run_id = rows[0].run_id if rows else None
-            target = cp.runs.get(run_id).latest_version if run_id else None
-        # A ready Response skips FastAPI's second validation pass: this route is hot.
-        reply = HeartbeatReply(target_version=target, lease_expires_at=expires)
-        return Response(reply.model_dump_json(), media_type="application/json")
+    async def heartbeat(
+        engine_id: str, body: Heartbeat, _: Role = Depends(role(ENGINE))
+    ) -> Response:
+        """Renew the lease, report the engine's state; answers the engine's target version.
+
+        Served by `controlplane/hotpath.py` (same roles and answers); declared here for
+        the OpenAPI document."""
+        return Response(await cp.heartbeats.answer(engine_id, body), media_type="application/json")
 
     @app.get("/v1/engines/{engine_id}/target", response_model=TargetReply, tags=["engines"])
     async def engine_target(

@@ -8,6 +8,7 @@ a revoked token stops working within that window on every replica.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import secrets
@@ -93,6 +94,15 @@ class TokenChecker:
         if entry is not None and entry[1] > time.monotonic():
             return True, entry[0]
         return False, None
+
+    async def role_of(self, authorization: str | None) -> Role | None:
+        """The role of the request's bearer token: from the cache, else from the database
+        in a worker thread (at most once per token every `cache_s` seconds)."""
+        digest = self.digest(authorization)
+        hit, found = self.cached(digest)
+        if not hit:
+            found = await asyncio.to_thread(self.lookup, digest)
+        return found
 
     def lookup(self, digest: str) -> Role | None:
         """Read the token's role from the database and cache it briefly."""

@@ -35,6 +35,7 @@ class Fleet:
         self.refresh_s = refresh_s
         self.snapshot = FleetSnapshot.empty()
         self.in_flight: defaultdict[str, int] = defaultdict(int)
+        metrics.watch_in_flight(self.in_flight)
         self._pending_demand: dict[tuple[str, int], float] = {}
         self._dirty: asyncio.Event | None = None
         self._changed: asyncio.Event | None = None

@@ -7,8 +7,10 @@ path: counters and histograms are in-memory; fleet gauges are recomputed on refr
 from __future__ import annotations
 
 from collections import Counter as Tally
+from collections.abc import Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 from controlplane.snapshot import FleetSnapshot
 
@@ -61,6 +63,11 @@ class Metrics:
         )
         self._converged: dict[str, int] = {}
 
+    def watch_in_flight(self, counts: Mapping[str, int]) -> None:
+        """Export `counts` (requests this process is forwarding, by engine), read at scrape
+        time, so the request path pays nothing for it."""
+        self.registry.register(InFlight(counts))
+
     def observe_fleet(self, snap: FleetSnapshot) -> None:
         self.engines.clear()
         tally = Tally(
@@ -88,3 +95,20 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class InFlight:
+    """A scrape-time collector of this process's in-flight requests by engine."""
+
+    def __init__(self, counts: Mapping[str, int]) -> None:
+        self.counts = counts
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            "tether_router_in_flight",
+            "Requests this process is forwarding right now, by engine",
+            labels=["engine"],
+        )
+        for engine_id, n in list(self.counts.items()):
+            family.add_metric([engine_id], n)
+        yield family

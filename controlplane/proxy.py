@@ -9,16 +9,17 @@ state it changes is the in-process in-flight count and the exact-version demand 
 
 from __future__ import annotations
 
-import json
+import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from functools import partial
 
-import httpx
+import aiohttp
+import orjson
 from pydantic import ValidationError
-from starlette.background import BackgroundTask
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 from controlplane.errors import InvalidRequest, NoEngineAvailable, WeightVersionNotReady, field_path
 from controlplane.fleet import Fleet
@@ -44,7 +45,26 @@ ENGINE_PATHS = {
     "chat": "/v1/chat/completions",
 }
 RETRY_STATUSES = frozenset({409, 503})
-_JSON = {"content-type": "application/json"}
+# Only these body fields are Tether's; the rest (prompts, sampling parameters, possibly
+# megabytes of token ids) is the engine's and is forwarded as the bytes that arrived.
+ROUTING_KEYS = tuple(RoutingFields.model_fields)
+NO_ROUTING_FIELDS = RoutingFields()
+ANY_VERSION = VersionConstraint()
+TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
+
+
+def open_client(timeout_s: float, connections: int = 2048) -> aiohttp.ClientSession:
+    """The one keep-alive HTTP client a process forwards with (call inside the event loop)."""
+    return aiohttp.ClientSession(
+        # Idle connections are dropped before the engine's server would (uvicorn: 5 s), so a
+        # request is never written into a connection the engine is closing.
+        connector=aiohttp.TCPConnector(
+            limit=connections, limit_per_host=0, ttl_dns_cache=300, keepalive_timeout=4.0
+        ),
+        # Like a read timeout: a long stream is fine as long as the engine keeps talking.
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=timeout_s),
+        skip_auto_headers=("User-Agent", "Accept-Encoding"),
+    )
 
 
 def validation_error(exc: ValidationError, prefix: str) -> InvalidRequest:
@@ -53,15 +73,19 @@ def validation_error(exc: ValidationError, prefix: str) -> InvalidRequest:
     return InvalidRequest(f"{field}: {first['msg']}", field=field)
 
 
-def parse_routing(raw: bytes) -> tuple[dict[str, Any], RoutingFields]:
+def parse_routing(raw: bytes) -> RoutingFields:
+    """The Tether fields of a generate body; the rest is not looked at, let alone validated."""
     try:
-        body = json.loads(raw) if raw else None
-    except ValueError as exc:
+        body = orjson.loads(raw) if raw else None
+    except orjson.JSONDecodeError as exc:
         raise InvalidRequest(f"body: not valid JSON ({exc})", field="body") from exc
     if not isinstance(body, dict):
         raise InvalidRequest("body: expected a JSON object", field="body")
+    ours = {key: body[key] for key in ROUTING_KEYS if key in body}
+    if not ours:
+        return NO_ROUTING_FIELDS
     try:
-        return body, RoutingFields.model_validate(body)
+        return RoutingFields.model_validate(ours)
     except ValidationError as exc:
         raise validation_error(exc, "body") from exc
 
@@ -105,7 +129,7 @@ class Proxy:
         self,
         fleet: Fleet,
         metrics: Metrics,
-        client: httpx.AsyncClient,
+        client: aiohttp.ClientSession,
         attempts: int,
         default_retry_s: float,
     ) -> None:
@@ -118,14 +142,12 @@ class Proxy:
     def choose(
         self,
         run_id: str,
+        constraint: VersionConstraint,
         fields: RoutingFields,
         session_id: str | None,
         exclude: set[str],
     ) -> EngineView | None:
         start = time.perf_counter()
-        constraint = (
-            fields.weight_version.constraint() if fields.weight_version else VersionConstraint()
-        )
         engine = pick(
             self.fleet.snapshot,
             run_id,
@@ -140,56 +162,51 @@ class Proxy:
         return engine
 
     async def handle(self, kind: str, raw: bytes, headers: Mapping[str, str]) -> Response:
-        _, fields = parse_routing(raw)
+        fields = parse_routing(raw)
         snap = self.fleet.snapshot
         run_id = resolve_run(snap, fields.run_id or headers.get(RUN_HEADER), "body.run_id")
         session_id = headers.get(SESSION_HEADER) or fields.session_id
-        constraint = (
-            fields.weight_version.constraint() if fields.weight_version else VersionConstraint()
-        )
+        constraint = fields.weight_version.constraint() if fields.weight_version else ANY_VERSION
         if constraint.exact_version is not None:
             self.fleet.note_exact(run_id, constraint.exact_version)
-        forward_headers = dict(_JSON)
+        forward_headers = {"Content-Type": "application/json"}
         if session_id:
             forward_headers[SESSION_HEADER] = session_id
+        in_flight = self.fleet.in_flight
         tried: set[str] = set()
         saw_not_ready = False
         for _ in range(self.attempts):
-            engine = self.choose(run_id, fields, session_id, tried)
+            engine = self.choose(run_id, constraint, fields, session_id, tried)
             if engine is None:
                 break
-            tried.add(engine.engine_id)
-            url = engine.url + ENGINE_PATHS[kind]
-            self.fleet.in_flight[engine.engine_id] += 1
-            released = False
-
-            def release(engine_id: str = engine.engine_id) -> None:
-                self.fleet.in_flight[engine_id] -= 1
-
+            engine_id = engine.engine_id
+            tried.add(engine_id)
+            in_flight[engine_id] += 1
+            handed_over = False
             try:
-                if fields.stream:
-                    request = self.client.build_request(
-                        "POST", url, content=raw, headers=forward_headers
-                    )
-                    resp = await self.client.send(request, stream=True)
-                    if resp.status_code in RETRY_STATUSES:
-                        await resp.aclose()
-                    else:
-                        released = True
-                        return self._stream(engine, resp, release)
-                else:
-                    resp = await self.client.post(url, content=raw, headers=forward_headers)
-                    if resp.status_code not in RETRY_STATUSES:
-                        return self._stamp(engine, resp)
-            except httpx.TransportError as exc:
-                log.warning("engine %s at %s failed: %s", engine.engine_id, engine.url, exc)
+                resp = await self.client.post(
+                    engine.url + ENGINE_PATHS[kind], data=raw, headers=forward_headers
+                )
+                try:
+                    if resp.status not in RETRY_STATUSES:
+                        if fields.stream:
+                            handed_over = True
+                            return EngineStream(
+                                engine, resp, partial(_release, in_flight, engine_id)
+                            )
+                        return _stamp(engine, resp.status, resp.headers, await resp.read())
+                finally:
+                    if not handed_over:
+                        resp.release()
+            except TRANSPORT_ERRORS as exc:
+                log.warning("engine %s at %s failed: %r", engine_id, engine.url, exc)
                 self.metrics.engine_retries.labels("transport").inc()
                 continue
             finally:
-                if not released:
-                    release()
-            saw_not_ready = saw_not_ready or resp.status_code == 409
-            self.metrics.engine_retries.labels(str(resp.status_code)).inc()
+                if not handed_over:
+                    _release(in_flight, engine_id)
+            saw_not_ready = saw_not_ready or resp.status == 409
+            self.metrics.engine_retries.labels(str(resp.status)).inc()
         if tried and not saw_not_ready:
             self.metrics.not_ready.labels("engines_unavailable").inc()
             raise NoEngineAvailable(
@@ -200,47 +217,85 @@ class Proxy:
         self.metrics.not_ready.labels(reason).inc()
         raise not_ready(self.fleet.snapshot, run_id, constraint, self.default_retry_s, reason)
 
-    @staticmethod
-    def _stamp(engine: EngineView, resp: httpx.Response) -> Response:
-        headers = {ENGINE_ID_HEADER: engine.engine_id}
-        content = resp.content
-        media = resp.headers.get("content-type", "application/json")
-        if resp.status_code == 200 and media.startswith("application/json"):
-            try:
-                body = json.loads(content)
-            except ValueError:
-                body = None
-            if isinstance(body, dict):
-                body["engine_id"] = engine.engine_id
-                body["precision"] = engine.precision.value
-                for key, header in (
-                    ("weight_version_start", VERSION_START_HEADER),
-                    ("weight_version_end", VERSION_END_HEADER),
-                ):
-                    if body.get(key) is not None:
-                        headers[header] = str(body[key])
-                content = json.dumps(body).encode()
-        return Response(content, status_code=resp.status_code, headers=headers, media_type=media)
 
-    @staticmethod
-    def _stream(engine: EngineView, resp: httpx.Response, release: Any) -> Response:
+def _release(in_flight: dict[str, int], engine_id: str) -> None:
+    in_flight[engine_id] -= 1
+
+
+def _stamp(engine: EngineView, status: int, headers: Mapping[str, str], content: bytes) -> Response:
+    """The engine's answer with the engine id and precision added (JSON) or as it came."""
+    out = {ENGINE_ID_HEADER: engine.engine_id}
+    media = headers.get("Content-Type", "application/json")
+    if status == 200 and media.startswith("application/json"):
+        try:
+            body = orjson.loads(content)
+        except orjson.JSONDecodeError:
+            body = None
+        if isinstance(body, dict):
+            body["engine_id"] = engine.engine_id
+            body["precision"] = engine.precision.value
+            start, end = body.get("weight_version_start"), body.get("weight_version_end")
+            if start is not None:
+                out[VERSION_START_HEADER] = str(start)
+            if end is not None:
+                out[VERSION_END_HEADER] = str(end)
+            content = orjson.dumps(body)
+    return Response(content, status_code=status, headers=out, media_type=media)
+
+
+class EngineStream(Response):
+    """Relays an engine's server-sent events and always lets go of the engine.
+
+    Whatever ends the relay (the engine finishing, the client disconnecting, a cancelled
+    task) the engine's in-flight count is given back; unless the engine finished, its
+    connection is closed, so the engine sees the client leave and stops generating.
+    """
+
+    def __init__(
+        self, engine: EngineView, resp: aiohttp.ClientResponse, release: Callable[[], None]
+    ) -> None:
         headers = {ENGINE_ID_HEADER: engine.engine_id}
         for header in (VERSION_START_HEADER, VERSION_END_HEADER):
             if header in resp.headers:
                 headers[header] = resp.headers[header]
-
-        async def body() -> AsyncIterator[bytes]:
-            async for chunk in resp.aiter_raw():
-                yield chunk
-
-        async def close() -> None:
-            release()
-            await resp.aclose()
-
-        return StreamingResponse(
-            body(),
-            status_code=resp.status_code,
+        super().__init__(
+            status_code=resp.status,
             headers=headers,
-            media_type=resp.headers.get("content-type", "text/event-stream"),
-            background=BackgroundTask(close),
+            media_type=resp.headers.get("Content-Type", "text/event-stream"),
         )
+        # The length is the engine's business: the body goes out chunked.
+        self.raw_headers = [(k, v) for k, v in self.raw_headers if k != b"content-length"]
+        self.engine_response = resp
+        self.release = release
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        finished = False
+        pump = asyncio.ensure_future(self._pump(send))
+        watch = asyncio.ensure_future(_until_disconnect(receive))
+        try:
+            await asyncio.wait((pump, watch), return_when=asyncio.FIRST_COMPLETED)
+            if pump.done():
+                pump.result()
+                finished = True
+        finally:
+            for task in (pump, watch):
+                task.cancel()
+            await asyncio.gather(pump, watch, return_exceptions=True)
+            self.release()
+            if finished:
+                self.engine_response.release()
+            else:
+                self.engine_response.close()
+
+    async def _pump(self, send: Send) -> None:
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
+        async for chunk in self.engine_response.content.iter_any():
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+
+async def _until_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from sqlalchemy import and_, bindparam, case, delete, select, update
 from sqlalchemy.orm import Session, sessionmaker
@@ -48,6 +48,11 @@ _HEARTBEAT = (
         heartbeat_at=bindparam("p_now"),
         lease_expires_at=bindparam("p_expires"),
     )
+)
+
+_RENEWED = select(_ENGINES.c.engine_id).where(
+    _ENGINES.c.engine_id.in_(bindparam("p_ids", expanding=True)),
+    _ENGINES.c.lease_expires_at == bindparam("p_expires"),
 )
 
 
@@ -91,33 +96,44 @@ class Registry:
         return engine_id, now + self.lease_seconds
 
     def heartbeat(self, engine_id: str, beat: Heartbeat) -> float:
-        """Renew the lease and record the report; return the new lease expiry.
-
-        One precompiled UPDATE in one short transaction: this runs once a second per engine.
-        """
-        now = time.time()
-        expires = now + self.lease_seconds
-        with self._db.begin() as conn:
-            matched = conn.execute(
-                _HEARTBEAT,
-                {
-                    "p_id": engine_id,
-                    "p_now": now,
-                    "p_applied": beat.applied_version,
-                    "p_state": beat.sync_state.value,
-                    "p_target": beat.staging_target,
-                    "p_progress": beat.staging_progress,
-                    "p_started": now if beat.staging_target is not None else None,
-                    "p_in_flight": beat.in_flight,
-                    "p_error": beat.last_error,
-                    "p_expires": expires,
-                },
-            ).rowcount
-        if matched == 0:
+        """Renew one lease and record the report; return the new lease expiry."""
+        expires = self.heartbeat_many([(engine_id, beat)])[0]
+        if expires is None:
             raise EngineUnknown(
                 f"engine {engine_id!r} is not registered or its lease lapsed: register again"
             )
         return expires
+
+    def heartbeat_many(self, beats: Sequence[tuple[str, Heartbeat]]) -> list[float | None]:
+        """Apply many heartbeats in ONE transaction (group commit); per beat, the new lease
+        expiry, or None where the engine is unknown or its lease already lapsed.
+
+        One executemany of the precompiled UPDATE (psycopg pipelines it into one round
+        trip), then one SELECT for the rows that now carry this batch's expiry: exactly the
+        ones it renewed. The commit, the expensive part, is shared by the whole batch.
+        """
+        now = time.time()
+        expires = now + self.lease_seconds
+        params = [
+            {
+                "p_id": engine_id,
+                "p_now": now,
+                "p_applied": beat.applied_version,
+                "p_state": beat.sync_state.value,
+                "p_target": beat.staging_target,
+                "p_progress": beat.staging_progress,
+                "p_started": now if beat.staging_target is not None else None,
+                "p_in_flight": beat.in_flight,
+                "p_error": beat.last_error,
+                "p_expires": expires,
+            }
+            for engine_id, beat in beats
+        ]
+        ids = list({engine_id for engine_id, _ in beats})
+        with self._db.begin() as conn:
+            conn.execute(_HEARTBEAT, params)
+            renewed = set(conn.execute(_RENEWED, {"p_ids": ids, "p_expires": expires}).scalars())
+        return [expires if engine_id in renewed else None for engine_id, _ in beats]
 
     def deregister(self, engine_id: str) -> None:
         with self._sessions.begin() as db:

@@ -54,9 +54,13 @@ def serve(
     port: int = typer.Option(None, "--port", help="bind port (default: TETHER_PORT)"),
     no_migrate: bool = typer.Option(False, "--no-migrate", help="do not migrate on start"),
     log_level: str = typer.Option("info", "--log-level", help="uvicorn log level"),
+    workers: int = typer.Option(
+        1, "--workers", min=1, help="processes sharing the port (each a full control plane)"
+    ),
 ) -> None:
     """Serve the REST API, the router and /metrics (OpenAPI at /docs)."""
     import logging
+    import os
 
     import uvicorn
 
@@ -77,12 +81,26 @@ def serve(
         # Shown once, never logged: the database keeps only its hash.
         console.print(f"first admin token (shown once, keep it): [bold]{generated}[/bold]")
     console.print(f"control plane on http://{settings.host}:{settings.port} (docs at /docs)")
+    if workers > 1:
+        # Each worker process builds its own app from the same TETHER_* settings; they
+        # share only the database, like replicas on separate machines would.
+        os.environ.update(
+            TETHER_DB_URL=settings.db_url,
+            TETHER_STORE=settings.store,
+            TETHER_HOST=settings.host,
+            TETHER_PORT=str(settings.port),
+        )
     uvicorn.run(
-        create_app(settings),
+        "controlplane.app:create_app" if workers > 1 else create_app(settings),
+        factory=workers > 1,
+        workers=workers,
         host=settings.host,
         port=settings.port,
         log_level=log_level,
         access_log=False,
+        # Longer than clients' idle expiry (httpx: 5 s), so a client never sends a request
+        # on a connection the server is closing at that very moment.
+        timeout_keep_alive=65,
         loop="uvloop",
         http="httptools",
     )

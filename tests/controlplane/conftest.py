@@ -21,9 +21,8 @@ from typing import Any
 import httpx
 import pytest
 
+from deploy.processes import free_port, wait_until
 from tests.fixtures.postgres import fresh_database, postgres_url  # noqa: F401
-from tests.fixtures.processes import free_port
-from tests.fixtures.processes import wait_until as wait_for
 
 ADMIN = "tth_test-admin-token-0123456789abcdef"
 ROOT = Path(__file__).resolve().parents[2]
@@ -96,7 +95,7 @@ class Api:
         """Wait until the app's fleet snapshot reflects every write made so far."""
         app = self.client.app
         mark = time.time()
-        wait_for(lambda: app.state.cp.fleet.snapshot.built_at > mark, 5.0, "a fresh snapshot")
+        wait_until(lambda: app.state.cp.fleet.snapshot.built_at > mark, 5.0, "a fresh snapshot")
 
 
 def make_settings(db_url: str, store_root: Path, **overrides: Any) -> Any:
@@ -182,7 +181,7 @@ def wait_http(proc: Process, path: str) -> None:
         except httpx.TransportError:
             return False
 
-    wait_for(up, START_DEADLINE_S, f"{proc.url}{path}")
+    wait_until(up, START_DEADLINE_S, f"{proc.url}{path}")
 
 
 def _spawn(
@@ -204,7 +203,7 @@ def _spawn(
         try:
             wait_http(process, ready_path)
             return process
-        except AssertionError:
+        except (AssertionError, TimeoutError):
             process.stop()
             if "address already in use" not in log.read_text():
                 raise

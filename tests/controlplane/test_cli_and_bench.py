@@ -44,7 +44,8 @@ def test_token_create_refuses_an_unknown_role_without_a_traceback(tmp_path: Path
 @pytest.mark.slow
 def test_router_bench_runs_at_a_tiny_size_and_ends_with_its_json_figures() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "bench.router", "--requests", "40", "--concurrency", "4",
+        [sys.executable, "-m", "bench.router", "--samples", "40", "--requests", "40",
+         "--concurrency", "4",
          "--fleet", "20", "--heartbeat-seconds", "1"],
         cwd=ROOT, capture_output=True, text=True, timeout=240,
     )  # fmt: skip

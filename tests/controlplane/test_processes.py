@@ -10,13 +10,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+from deploy.processes import wait_until
 from tests.controlplane.conftest import (
     ADMIN,
     Process,
     publish,
     start_controlplane,
     start_standin,
-    wait_for,
 )
 
 ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN}"}
@@ -134,7 +134,7 @@ def test_routing_under_load_never_serves_a_version_outside_the_constraint(
     a, b, c = (start_standin(v, tmp_path / f"engine{v}{i}.log", *join)
                for i, v in enumerate((3, 3, 2)))  # fmt: skip
     processes.extend([a, b, c])
-    wait_for(lambda: len(_engines(cp)) == 3, 15, "three registered engines")
+    wait_until(lambda: len(_engines(cp)) == 3, 15, "three registered engines")
 
     client_token = _mint(cp, "client")
     stats: dict[str, list] = {"served": [], "refusals": []}

@@ -9,8 +9,9 @@ from controlplane.policy import PolicyEngine, assign_targets
 from controlplane.router import pick
 from controlplane.schema import PolicyKind, Precision, SyncState, TargetPolicy
 from controlplane.snapshot import EngineView, FleetSnapshot, RunView
+from deploy.processes import wait_until
 from store.types import VersionConstraint
-from tests.controlplane.conftest import Api, wait_for
+from tests.controlplane.conftest import Api
 
 
 def _engine(engine_id: str, version: int | None, **kw: object) -> EngineView:
@@ -119,7 +120,7 @@ def test_lapsed_lease_takes_an_engine_out_of_routing(make_api, sqlite_url: str) 
         reply = api.call("GET", "/v1/route?run_id=lease&min_version=1", "client")
         return reply.status_code == 409
 
-    wait_for(out_of_routing, 10.0, "the lapsed engine to leave routing")
+    wait_until(out_of_routing, 10.0, "the lapsed engine to leave routing")
     assert api.heartbeat(engine_id, 1).status_code == 404, "the agent must register again"
 
 
@@ -166,6 +167,6 @@ def test_keep_pinned_through_the_api_pins_engines_while_exact_requests_arrive(ap
         found = targets()
         return sorted(found.values()) == [2, 2, 3, 3] and set(found) == set(engines)
 
-    wait_for(pinned_two, 10.0, "two engines pinned to v2")
+    wait_until(pinned_two, 10.0, "two engines pinned to v2")
     # Demand stops: after the window every engine follows latest again.
-    wait_for(lambda: sorted(targets().values()) == [3, 3, 3, 3], 10.0, "the pin to lapse")
+    wait_until(lambda: sorted(targets().values()) == [3, 3, 3, 3], 10.0, "the pin to lapse")

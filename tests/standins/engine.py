@@ -5,7 +5,9 @@ the way the engine agent's versioned proxy does: the request's `weight_version` 
 is checked against the served version at admission, a miss answers 409
 `WeightVersionNotReady` (retryable), and answers carry `weight_version_start`/`_end`. A
 version flip waits until in-flight requests finish, so start and end always agree here.
-A test moves the served version with `POST /control/version {"version": n}`. With
+A test moves the served version with `POST /control/version {"version": n}`; a streamed
+answer can be slowed (`chunks`, `chunk_delay_s` body fields) and `/stats` counts streams
+whose client left early. With
 `--controlplane` it registers itself and heartbeats like an agent.
 
 Run: `python -m tests.standins.engine --port 8001 --version 3 [--controlplane URL ...]`.
@@ -31,6 +33,8 @@ class Standin:
         self.delay_s = delay_s
         self.in_flight = 0
         self.served = 0
+        self.streaming = 0
+        self.streams_abandoned = 0
         self._idle = asyncio.Event()
         self._idle.set()
         self._flipping = asyncio.Event()
@@ -106,6 +110,51 @@ async def _send_json(send: Any, status: int, payload: Any, extra: list | None = 
     await send({"type": "http.response.body", "body": data})
 
 
+async def _until_disconnect(receive: Any) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _stream(
+    state: Standin, payload: dict[str, Any], body: dict[str, Any], receive: Any, send: Any
+) -> None:
+    """Server-sent events: `chunks` events (3 unless asked), `chunk_delay_s` apart, then
+    [DONE]. A client that leaves mid-stream is noticed and counted, and the stream stops."""
+    start = str(payload["weight_version_start"]).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [
+                (b"content-type", b"text/event-stream"),
+                (b"x-tether-weight-version-start", start),
+            ],
+        }
+    )
+    delay = float(body.get("chunk_delay_s", 0.0))
+    gone = asyncio.ensure_future(_until_disconnect(receive))
+    state.streaming += 1
+    try:
+        for i in range(int(body.get("chunks", 3))):
+            if delay:
+                await asyncio.wait({gone}, timeout=delay)
+            if gone.done():
+                state.streams_abandoned += 1
+                return
+            chunk = dict(payload, text=f"t{i}")
+            await send(
+                {
+                    "type": "http.response.body",
+                    "body": f"data: {json.dumps(chunk)}\n\n".encode(),
+                    "more_body": True,
+                }
+            )
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+    finally:
+        state.streaming -= 1
+        gone.cancel()
+
+
 def make_app(state: Standin) -> Any:
     generate_paths = {"/generate", "/v1/completions", "/v1/chat/completions"}
 
@@ -124,27 +173,7 @@ def make_app(state: Standin) -> Any:
             body = json.loads(raw or b"{}")
             status, payload = await state.generate(body)
             if status == 200 and body.get("stream"):
-                start = str(payload["weight_version_start"]).encode()
-                await send(
-                    {
-                        "type": "http.response.start",
-                        "status": 200,
-                        "headers": [
-                            (b"content-type", b"text/event-stream"),
-                            (b"x-tether-weight-version-start", start),
-                        ],
-                    }
-                )
-                for i in range(3):
-                    chunk = dict(payload, text=f"t{i}")
-                    await send(
-                        {
-                            "type": "http.response.body",
-                            "body": f"data: {json.dumps(chunk)}\n\n".encode(),
-                            "more_body": True,
-                        }
-                    )
-                await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+                await _stream(state, payload, body, receive, send)
                 return
             await _send_json(send, status, payload)
         elif path == "/control/version" and scope["method"] == "POST":
@@ -161,7 +190,13 @@ def make_app(state: Standin) -> Any:
         elif path == "/get_server_info":
             await _send_json(send, 200, {"version": "standin"})
         elif path == "/stats":
-            await _send_json(send, 200, {"version": state.version, "served": state.served})
+            stats = {
+                "version": state.version,
+                "served": state.served,
+                "streaming": state.streaming,
+                "streams_abandoned": state.streams_abandoned,
+            }
+            await _send_json(send, 200, stats)
         else:
             await _send_json(send, 404, {"error": {"message": f"no route {path}"}})
 

@@ -1,0 +1,126 @@
+"""Engine heartbeats: group commit into the database, and the reply each engine gets.
+
+Owns the single writer task of a process: heartbeats that arrive while one batch is being
+written wait together and go into the next transaction (one commit for hundreds of
+beats), and every waiter gets its own answer: the new lease expiry or `EngineUnknown`.
+At low load a batch is a single beat, so nothing waits for a timer. Also owns the reply
+(target version from the snapshot, the lease) and the "fleet changed" signal a heartbeat
+raises. Never routes and never decides targets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+
+import orjson
+
+from controlplane.errors import EngineUnknown
+from controlplane.fleet import Fleet
+from controlplane.registry import Registry
+from controlplane.runs import Runs
+from controlplane.schema import Heartbeat
+
+log = logging.getLogger(__name__)
+
+Beat = tuple[str, Heartbeat]
+# SQLite and PostgreSQL both take a few hundred short UPDATEs in one transaction easily.
+MAX_BATCH = 500
+
+
+class GroupCommit:
+    """Batches `submit`ted beats into calls of `write` (run in a worker thread)."""
+
+    def __init__(
+        self,
+        write: Callable[[Sequence[Beat]], list[float | None]],
+        max_batch: int = MAX_BATCH,
+    ) -> None:
+        self._write = write
+        self._max_batch = max_batch
+        self._pending: list[tuple[Beat, asyncio.Future[float | None]]] = []
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._wake = asyncio.Event()
+        self._task = asyncio.create_task(self._writer(), name="heartbeat-writer")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        pending, self._pending = self._pending, []
+        for _, waiter in pending:
+            if not waiter.done():
+                waiter.set_exception(RuntimeError("the control plane is shutting down"))
+
+    async def submit(self, beat: Beat) -> float | None:
+        """The new lease expiry of this beat's engine, or None if it is unknown."""
+        if self._task is None or self._wake is None:
+            return (await asyncio.to_thread(self._write, [beat]))[0]
+        waiter: asyncio.Future[float | None] = asyncio.get_running_loop().create_future()
+        self._pending.append((beat, waiter))
+        self._wake.set()
+        return await waiter
+
+    async def _writer(self) -> None:
+        assert self._wake is not None
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._pending:
+                batch = self._pending[: self._max_batch]
+                del self._pending[: self._max_batch]
+                try:
+                    results = await asyncio.to_thread(self._write, [beat for beat, _ in batch])
+                except Exception as exc:
+                    log.warning("writing %d heartbeats failed: %r", len(batch), exc)
+                    for _, waiter in batch:
+                        if not waiter.done():
+                            waiter.set_exception(exc)
+                    continue
+                for (_, waiter), result in zip(batch, results, strict=True):
+                    if not waiter.done():
+                        waiter.set_result(result)
+
+
+class Heartbeats:
+    """Renews leases through the group commit and answers with the engine's target."""
+
+    def __init__(self, registry: Registry, runs: Runs, fleet: Fleet) -> None:
+        self.registry = registry
+        self.runs = runs
+        self.fleet = fleet
+        self.writer = GroupCommit(registry.heartbeat_many)
+
+    async def answer(self, engine_id: str, beat: Heartbeat) -> bytes:
+        """The JSON reply (`HeartbeatReply`) to one heartbeat, after its commit."""
+        expires = await self.writer.submit((engine_id, beat))
+        if expires is None:
+            raise EngineUnknown(
+                f"engine {engine_id!r} is not registered or its lease lapsed: register again"
+            )
+        snap = self.fleet.snapshot
+        seen = snap.engines.get(engine_id)
+        if (
+            seen is None
+            or seen.applied_version != beat.applied_version
+            or seen.sync_state != beat.sync_state
+            or seen.staging_target != beat.staging_target
+        ):
+            self.fleet.mark_dirty()
+        if seen is not None:
+            target = snap.targets.get(engine_id)
+        else:
+            # Registered after the snapshot was built: it follows the latest version.
+            target = await asyncio.to_thread(self._latest_for, engine_id)
+        return orjson.dumps({"target_version": target, "lease_expires_at": expires})
+
+    def _latest_for(self, engine_id: str) -> int | None:
+        rows = self.registry.rows(engine_id)
+        return self.runs.get(rows[0].run_id).latest_version if rows else None
