@@ -303,6 +303,32 @@ def _decision_time(engines: int) -> float:
     return (time.perf_counter() - start) / n * 1e6
 
 
+def _fresh_pg_database(pg_url: str) -> tuple[str, Any]:
+    """A new, empty database on the server behind `pg_url`, and a function that drops it.
+
+    Every run measures heartbeats against its own 1,000 engines only, never against the
+    stale rows of an earlier run.
+    """
+    import uuid
+
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    from controlplane.db import normalise_url
+
+    url = make_url(normalise_url(pg_url))
+    name = f"tether_bench_{uuid.uuid4().hex[:12]}"
+    admin = url.set(drivername="postgresql", database="postgres").render_as_string(False)
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+
+    def drop() -> None:
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+    return url.set(database=name).render_as_string(False), drop
+
+
 def _heartbeats(cp: str, engines: int, seconds: float, connections: int = 50) -> float:
     """p99 heartbeat latency (ms) with `engines` engines beating once a second each."""
     import asyncio
@@ -469,10 +495,15 @@ def run(
                 f"{figures['heartbeat_p99_ms_sqlite']} ms"
             )
         if pg_url and heartbeat_seconds > 0:
-            pg_cp = _start_controlplane(procs, pg_url, store, **LONG_LEASE)
-            figures["heartbeat_p99_ms_postgres"] = round(
-                _heartbeats(pg_cp, fleet, heartbeat_seconds), 2
-            )
+            fresh_url, drop_database = _fresh_pg_database(pg_url)
+            try:
+                pg_cp = _start_controlplane(procs, fresh_url, store, **LONG_LEASE)
+                figures["heartbeat_p99_ms_postgres"] = round(
+                    _heartbeats(pg_cp, fleet, heartbeat_seconds), 2
+                )
+            finally:
+                procs.stop()
+                drop_database()
             console.print(f"heartbeat p99, PostgreSQL: {figures['heartbeat_p99_ms_postgres']} ms")
         else:
             console.print("[yellow]PostgreSQL heartbeat figure skipped:[/yellow] pass --pg-url")

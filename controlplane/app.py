@@ -215,6 +215,7 @@ def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:
             await cp.heartbeats.writer.stop()
             await cp.fleet.stop()
             await client.close()
+            cp.registry.close()
             cp.engine.dispose()
 
     app = FastAPI(

@@ -15,6 +15,7 @@ import secrets
 import time
 
 from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from controlplane.errors import Forbidden, Unauthorized
@@ -58,7 +59,11 @@ def ensure_admin_token(sessions: sessionmaker[Session], configured: str | None) 
                 select(Token.token_id).where(Token.token_hash == hash_token(configured))
             )
             if known is None:
-                store_token(sessions, Role.ADMIN, "TETHER_ADMIN_TOKEN", configured)
+                try:
+                    store_token(sessions, Role.ADMIN, "TETHER_ADMIN_TOKEN", configured)
+                except IntegrityError:
+                    # Another replica starting at the same moment stored the same token.
+                    log.info("the configured admin token was stored by another replica")
             return None
         if admins:
             return None

@@ -7,6 +7,7 @@ status. Pure ASGI so the hot path pays no extra task or buffering.
 
 from __future__ import annotations
 
+from prometheus_client import Counter
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from controlplane.errors import BodyTooLarge, error_response
@@ -55,6 +56,16 @@ class RequestMetrics:
     def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
         self.app = app
         self.metrics = metrics
+        # The labelled child per (route, status): `labels()` validates and locks on every
+        # call, a dict lookup does not. Bounded by routes x statuses.
+        self._children: dict[tuple[str, int], Counter] = {}
+
+    def _count(self, template: str, status: int) -> None:
+        child = self._children.get((template, status))
+        if child is None:
+            child = self.metrics.requests.labels(template, str(status))
+            self._children[(template, status)] = child
+        child.inc()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -73,4 +84,4 @@ class RequestMetrics:
         finally:
             route = scope.get("route")
             template = getattr(route, "path", None) or "unmatched"
-            self.metrics.requests.labels(template, str(status)).inc()
+            self._count(template, status)

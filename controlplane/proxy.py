@@ -17,6 +17,7 @@ from functools import partial
 
 import aiohttp
 import orjson
+from multidict import CIMultiDict
 from pydantic import ValidationError
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -51,6 +52,12 @@ ROUTING_KEYS = tuple(RoutingFields.model_fields)
 NO_ROUTING_FIELDS = RoutingFields()
 ANY_VERSION = VersionConstraint()
 TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
+# Sent with every forward. Naming User-Agent and Accept-Encoding here (rather than a
+# session-wide skip list, which aiohttp re-sorts into a new dict per request) keeps
+# aiohttp from adding its own; a ready CIMultiDict is not converted again per request.
+FORWARD_HEADERS: CIMultiDict[str] = CIMultiDict(
+    {"Content-Type": "application/json", "User-Agent": "tether", "Accept-Encoding": "identity"}
+)
 
 
 def open_client(timeout_s: float, connections: int = 2048) -> aiohttp.ClientSession:
@@ -63,7 +70,6 @@ def open_client(timeout_s: float, connections: int = 2048) -> aiohttp.ClientSess
         ),
         # Like a read timeout: a long stream is fine as long as the engine keeps talking.
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=timeout_s),
-        skip_auto_headers=("User-Agent", "Accept-Encoding"),
     )
 
 
@@ -169,8 +175,9 @@ class Proxy:
         constraint = fields.weight_version.constraint() if fields.weight_version else ANY_VERSION
         if constraint.exact_version is not None:
             self.fleet.note_exact(run_id, constraint.exact_version)
-        forward_headers = {"Content-Type": "application/json"}
+        forward_headers = FORWARD_HEADERS
         if session_id:
+            forward_headers = FORWARD_HEADERS.copy()
             forward_headers[SESSION_HEADER] = session_id
         in_flight = self.fleet.in_flight
         tried: set[str] = set()

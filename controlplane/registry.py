@@ -8,11 +8,13 @@ never decides targets (that is `router.py` and `policy.py`).
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
 
-from sqlalchemy import and_, bindparam, case, delete, select, update
+from sqlalchemy import Connection, and_, bindparam, case, delete, select, text, update
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 from controlplane.errors import EngineUnknown, RunUnknown
@@ -50,6 +52,32 @@ _HEARTBEAT = (
     )
 )
 
+# PostgreSQL: the whole batch is ONE statement in autocommit (atomic by itself), so one
+# round trip per batch: the beats travel as nine arrays, RETURNING names the renewed rows.
+_HEARTBEAT_PG = text(
+    """
+    UPDATE engines AS e SET
+        applied_version = v.applied,
+        sync_state = v.state,
+        staging_target = v.target,
+        staging_progress = v.progress,
+        staging_started_at = CASE
+            WHEN e.staging_target = v.target AND e.staging_started_at IS NOT NULL
+            THEN e.staging_started_at ELSE v.started END,
+        in_flight = v.in_flight,
+        last_error = v.error,
+        heartbeat_at = :now,
+        lease_expires_at = :expires
+    FROM unnest(
+        CAST(:ids AS text[]), CAST(:applied AS integer[]), CAST(:states AS text[]),
+        CAST(:targets AS integer[]), CAST(:progress AS float8[]), CAST(:started AS float8[]),
+        CAST(:in_flight AS integer[]), CAST(:errors AS text[])
+    ) AS v(id, applied, state, target, progress, started, in_flight, error)
+    WHERE e.engine_id = v.id AND e.lease_expires_at > :now
+    RETURNING e.engine_id
+    """
+)
+
 _RENEWED = select(_ENGINES.c.engine_id).where(
     _ENGINES.c.engine_id.in_(bindparam("p_ids", expanding=True)),
     _ENGINES.c.lease_expires_at == bindparam("p_expires"),
@@ -61,6 +89,18 @@ class Registry:
         self._sessions = sessions
         self._db = sessions.kw["bind"]
         self.lease_seconds = lease_seconds
+        self._postgres = self._db.dialect.name == "postgresql"
+        # PostgreSQL heartbeats keep one autocommit connection: no pool checkout (and so no
+        # pre-ping round trip) per batch. The lock keeps it to one batch at a time.
+        self._beat_conn: Connection | None = None
+        self._beat_lock = threading.Lock()
+
+    def close(self) -> None:
+        """Return the heartbeat connection to the pool (before the engine is disposed)."""
+        with self._beat_lock:
+            conn, self._beat_conn = self._beat_conn, None
+            if conn is not None:
+                conn.close()
 
     def register(self, body: EngineRegister) -> tuple[str, float]:
         """Add an engine; return its id and lease expiry."""
@@ -108,12 +148,55 @@ class Registry:
         """Apply many heartbeats in ONE transaction (group commit); per beat, the new lease
         expiry, or None where the engine is unknown or its lease already lapsed.
 
-        One executemany of the precompiled UPDATE (psycopg pipelines it into one round
-        trip), then one SELECT for the rows that now carry this batch's expiry: exactly the
-        ones it renewed. The commit, the expensive part, is shared by the whole batch.
+        PostgreSQL: one UPDATE ... FROM unnest(...) RETURNING in autocommit, one round trip.
+        SQLite (in process, no round trips): an executemany of the UPDATE, then a SELECT of
+        the rows that now carry this batch's expiry, in one transaction.
         """
         now = time.time()
         expires = now + self.lease_seconds
+        if self._postgres:
+            renewed = self._renew_postgres(beats, now, expires)
+        else:
+            renewed = self._renew_sqlite(beats, now, expires)
+        return [expires if engine_id in renewed else None for engine_id, _ in beats]
+
+    def _renew_postgres(
+        self, beats: Sequence[tuple[str, Heartbeat]], now: float, expires: float
+    ) -> set[str]:
+        # One row per engine (its last beat in the batch): UPDATE ... FROM must not match a
+        # target row twice.
+        latest = dict(beats)
+        params = {
+            "now": now,
+            "expires": expires,
+            "ids": list(latest),
+            "applied": [b.applied_version for b in latest.values()],
+            "states": [b.sync_state.value for b in latest.values()],
+            "targets": [b.staging_target for b in latest.values()],
+            "progress": [b.staging_progress for b in latest.values()],
+            "started": [now if b.staging_target is not None else None for b in latest.values()],
+            "in_flight": [b.in_flight for b in latest.values()],
+            "errors": [b.last_error for b in latest.values()],
+        }
+        with self._beat_lock:
+            for attempt in (1, 2):
+                if self._beat_conn is None:
+                    self._beat_conn = self._db.connect().execution_options(
+                        isolation_level="AUTOCOMMIT"
+                    )
+                try:
+                    return set(self._beat_conn.execute(_HEARTBEAT_PG, params).scalars())
+                except DBAPIError as exc:
+                    conn, self._beat_conn = self._beat_conn, None
+                    conn.close()
+                    # A connection the server dropped is retried once on a fresh one.
+                    if attempt == 2 or not exc.connection_invalidated:
+                        raise
+        raise AssertionError("unreachable: the loop returns or raises")
+
+    def _renew_sqlite(
+        self, beats: Sequence[tuple[str, Heartbeat]], now: float, expires: float
+    ) -> set[str]:
         params = [
             {
                 "p_id": engine_id,
@@ -132,8 +215,7 @@ class Registry:
         ids = list({engine_id for engine_id, _ in beats})
         with self._db.begin() as conn:
             conn.execute(_HEARTBEAT, params)
-            renewed = set(conn.execute(_RENEWED, {"p_ids": ids, "p_expires": expires}).scalars())
-        return [expires if engine_id in renewed else None for engine_id, _ in beats]
+            return set(conn.execute(_RENEWED, {"p_ids": ids, "p_expires": expires}).scalars())
 
     def deregister(self, engine_id: str) -> None:
         with self._sessions.begin() as db:
