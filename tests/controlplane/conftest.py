@@ -8,8 +8,6 @@ engine stand-in processes. Everything listens on 127.0.0.1 with random free port
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 import time
 import uuid
@@ -18,10 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
-from deploy.processes import free_port, wait_until
+from deploy.processes import ManagedProcess, ProcessFailed, free_port, start_process, wait_until
 from tests.fixtures.postgres import fresh_database, postgres_url  # noqa: F401
 
 ADMIN = "tth_test-admin-token-0123456789abcdef"
@@ -156,37 +153,9 @@ def api(make_api: Callable[..., Api], sqlite_url: str) -> Api:
     return make_api(sqlite_url)
 
 
-@dataclass
-class Process:
-    proc: subprocess.Popen[bytes]
-    url: str
-    log: Path
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-
-
-def wait_http(proc: Process, path: str) -> None:
-    def up() -> bool:
-        if proc.proc.poll() is not None:
-            raise AssertionError(f"process exited early:\n{proc.log.read_text()}")
-        try:
-            return httpx.get(proc.url + path, timeout=1.0).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    wait_until(up, START_DEADLINE_S, f"{proc.url}{path}")
-
-
 def _spawn(
-    argv: list[str], log: Path, ready_path: str, env: dict[str, str] | None = None
-) -> Process:
+    name: str, argv: list[str], log: Path, ready_path: str, env: dict[str, str] | None = None
+) -> ManagedProcess:
     """Start `argv` (with `{port}` filled in) and wait until `ready_path` answers 200.
 
     A free port can be taken by another process between choosing and binding; then the
@@ -194,38 +163,38 @@ def _spawn(
     """
     for _attempt in range(3):
         port = free_port()
-        with log.open("ab") as out:
-            proc = subprocess.Popen(
-                [a.replace("{port}", str(port)) for a in argv],
-                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-            )  # fmt: skip
-        process = Process(proc, f"http://127.0.0.1:{port}", log)
+        process = start_process(
+            name,
+            [a.replace("{port}", str(port)) for a in argv],
+            log,
+            env=env,
+            url=f"http://127.0.0.1:{port}",
+            cwd=ROOT,
+        )
         try:
-            wait_http(process, ready_path)
-            return process
-        except (AssertionError, TimeoutError):
-            process.stop()
+            return process.wait_http(ready_path, START_DEADLINE_S)
+        except ProcessFailed:
             if "address already in use" not in log.read_text():
                 raise
     raise AssertionError(f"could not find a free port for {argv[0]}")
 
 
-def start_controlplane(db_url: str, store_root: Path, log: Path, **env: str) -> Process:
+def start_controlplane(db_url: str, store_root: Path, log: Path, **env: str) -> ManagedProcess:
     argv = [TETHER, "controlplane", "serve", "--db", db_url, "--store", str(store_root),
             "--port", "{port}", "--log-level", "warning"]  # fmt: skip
-    return _spawn(argv, log, "/readyz", {**os.environ, "TETHER_ADMIN_TOKEN": ADMIN, **env})
+    return _spawn("controlplane", argv, log, "/readyz", {"TETHER_ADMIN_TOKEN": ADMIN, **env})
 
 
-def start_standin(version: int, log: Path, *args: str) -> Process:
+def start_standin(version: int, log: Path, *args: str) -> ManagedProcess:
     argv = [sys.executable, "-m", "tests.standins.engine", "--port", "{port}",
             "--version", str(version), *args]  # fmt: skip
-    return _spawn(argv, log, "/health")
+    return _spawn("standin", argv, log, "/health")
 
 
 @pytest.fixture
-def processes() -> Iterator[list[Process]]:
+def processes() -> Iterator[list[ManagedProcess]]:
     """Processes started by a test; all stopped at teardown, newest first."""
-    started: list[Process] = []
+    started: list[ManagedProcess] = []
     yield started
     for proc in reversed(started):
         proc.stop()

@@ -9,14 +9,15 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck
 
-from tests.controlplane.conftest import ADMIN, Process, publish, start_controlplane
+from deploy.processes import ManagedProcess
+from tests.controlplane.conftest import ADMIN, publish, start_controlplane
 
 EXAMPLES_PER_OPERATION = 12
 
 
 @pytest.mark.slow
 def test_no_generated_request_makes_the_server_fail(
-    tmp_path: Path, processes: list[Process]
+    tmp_path: Path, processes: list[ManagedProcess]
 ) -> None:
     store = tmp_path / "store"
     store.mkdir()

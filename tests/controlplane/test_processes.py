@@ -10,10 +10,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from deploy.processes import wait_until
+from deploy.processes import ManagedProcess, wait_until
 from tests.controlplane.conftest import (
     ADMIN,
-    Process,
     publish,
     start_controlplane,
     start_standin,
@@ -27,24 +26,26 @@ def _post(base: str, path: str, body: dict, headers: dict | None = None) -> http
     return httpx.post(base + path, json=body, headers=headers or ADMIN_HEADERS, timeout=10)
 
 
-def _notify(cp: Process, store: Path, run_id: str, version: int) -> None:
+def _notify(cp: ManagedProcess, store: Path, run_id: str, version: int) -> None:
     publish(store, run_id, version)
     reply = _post(cp.url, f"/v1/runs/{run_id}/versions", {"version": version})
     assert reply.status_code == 201, reply.text
 
 
-def _mint(cp: Process, role: str) -> str:
+def _mint(cp: ManagedProcess, role: str) -> str:
     reply = _post(cp.url, "/v1/tokens", {"role": role})
     assert reply.status_code == 201, reply.text
     return reply.json()["token"]
 
 
-def _engines(cp: Process) -> dict[str, dict]:
+def _engines(cp: ManagedProcess) -> dict[str, dict]:
     listed = httpx.get(cp.url + "/v1/engines", headers=ADMIN_HEADERS, timeout=10)
     return {e["url"]: e for e in listed.json()["engines"]}
 
 
-def test_state_survives_a_control_plane_restart(tmp_path: Path, processes: list[Process]) -> None:
+def test_state_survives_a_control_plane_restart(
+    tmp_path: Path, processes: list[ManagedProcess]
+) -> None:
     db = f"sqlite:///{tmp_path / 'cp.db'}"
     store = tmp_path / "store"
     store.mkdir()
@@ -119,7 +120,7 @@ async def _one_request(
 
 @pytest.mark.slow
 def test_routing_under_load_never_serves_a_version_outside_the_constraint(
-    tmp_path: Path, processes: list[Process]
+    tmp_path: Path, processes: list[ManagedProcess]
 ) -> None:
     db = f"sqlite:///{tmp_path / 'cp.db'}"
     store = tmp_path / "store"

@@ -7,25 +7,27 @@ from pathlib import Path
 
 import httpx
 
-from deploy.processes import wait_until
-from tests.controlplane.conftest import ADMIN, Process, publish, start_controlplane, start_standin
+from deploy.processes import ManagedProcess, wait_until
+from tests.controlplane.conftest import ADMIN, publish, start_controlplane, start_standin
 
 ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN}"}
 FAST = {"TETHER_SNAPSHOT_REFRESH_S": "0.2", "TETHER_LEASE_SECONDS": "5"}
 IN_FLIGHT = re.compile(r'^tether_router_in_flight\{engine="([^"]+)"\} (\S+)$', re.MULTILINE)
 
 
-def _in_flight(cp: Process) -> dict[str, float]:
+def _in_flight(cp: ManagedProcess) -> dict[str, float]:
     """The router's own in-flight count per engine, from /metrics."""
     text = httpx.get(cp.url + "/metrics", timeout=10).text
     return {engine: float(n) for engine, n in IN_FLIGHT.findall(text)}
 
 
-def _stats(engine: Process) -> dict[str, int]:
+def _stats(engine: ManagedProcess) -> dict[str, int]:
     return httpx.get(engine.url + "/stats", timeout=10).json()
 
 
-def _fleet(tmp_path: Path, processes: list[Process]) -> tuple[Process, Process, str]:
+def _fleet(
+    tmp_path: Path, processes: list[ManagedProcess]
+) -> tuple[ManagedProcess, ManagedProcess, str]:
     store = tmp_path / "store"
     store.mkdir()
     cp = start_controlplane(f"sqlite:///{tmp_path / 'cp.db'}", store, tmp_path / "cp.log", **FAST)
@@ -53,7 +55,7 @@ def _fleet(tmp_path: Path, processes: list[Process]) -> tuple[Process, Process, 
 
 
 def test_a_client_leaving_mid_stream_frees_the_engine_and_closes_its_connection(
-    tmp_path: Path, processes: list[Process]
+    tmp_path: Path, processes: list[ManagedProcess]
 ) -> None:
     cp, engine, engine_id = _fleet(tmp_path, processes)
     slow = {"text": "x", "stream": True, "chunks": 200, "chunk_delay_s": 0.05}
