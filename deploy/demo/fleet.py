@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,8 +81,12 @@ class EngineWithAgent:
         return response.json() if response.status_code == 200 else None
 
 
-def start_controlplane(group: ProcessGroup, db_url: str, store_url: str) -> ControlPlane:
-    """`tether controlplane serve` with fast snapshots, then one token per role."""
+def start_controlplane(
+    group: ProcessGroup, db_url: str, store_url: str, env: Mapping[str, str] | None = None
+) -> ControlPlane:
+    """`tether controlplane serve` with fast snapshots, then one token per role.
+
+    `env` overrides the control plane's settings (e.g. shorter leases for tests)."""
     admin = "tth_demo-" + secrets.token_hex(16)
     port = free_port()
     env = {
@@ -91,6 +96,7 @@ def start_controlplane(group: ProcessGroup, db_url: str, store_url: str) -> Cont
         "TETHER_SNAPSHOT_REFRESH_S": "0.1",
         "TETHER_POLL_INTERVAL_S": "0.05",
         "TETHER_DEFAULT_RETRY_AFTER_S": "0.2",
+        **(env or {}),
     }
     process = group.start(
         "controlplane",

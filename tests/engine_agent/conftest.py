@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from bench.refit import training_step
+from deploy.processes import ProcessGroup
 from store.tensors import RawTensor
 from tests.fixtures.processes import (
     TETHER,
@@ -46,7 +47,6 @@ def bf16_engine(
 # ---------------------------------------------------------------- engine agents
 # Published versions of the tiny model, a control plane process and agent processes.
 
-ADMIN_TOKEN = "tth_agent-tests-admin-0123456789abcdef"
 AGENT_START_DEADLINE_S = 120.0
 
 
@@ -151,29 +151,15 @@ class ControlPlaneProcess:
 
 
 def start_controlplane(root: Path) -> ControlPlaneProcess:
-    """`tether controlplane serve` on SQLite, with short leases and fast snapshots."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = {
-        "TETHER_ADMIN_TOKEN": ADMIN_TOKEN,
-        "TETHER_LEASE_SECONDS": "5",
-        "TETHER_HEARTBEAT_INTERVAL_S": "0.5",
-        "TETHER_SNAPSHOT_REFRESH_S": "0.1",
-        "TETHER_POLL_INTERVAL_S": "0.05",
-        "TETHER_TOKEN_CACHE_S": "0",
-    }
-    cmd = [
-        TETHER, "controlplane", "serve", "--db", f"sqlite:///{root / 'cp.db'}",
-        "--store", str(root / "store"), "--port", str(port), "--log-level", "warning",
-    ]  # fmt: skip
-    process = start_process("control plane", cmd, root / "controlplane.log", url=url, env=env,
-                            ready_path="/readyz")  # fmt: skip
-    cp = ControlPlaneProcess(process, url, {"admin": ADMIN_TOKEN})
-    for role in ("trainer", "engine", "client"):
-        reply = cp.call("POST", "/v1/tokens", json={"role": role, "name": f"agent-tests-{role}"})
-        assert reply.status_code == 201, reply.text
-        cp.tokens[role] = reply.json()["token"]
-    return cp
+    """`tether controlplane serve` on SQLite, as the demo starts it, with short leases and
+    no token cache, and a token per role."""
+    from deploy.demo.fleet import start_controlplane as start_demo_controlplane
+
+    env = {"TETHER_LEASE_SECONDS": "5", "TETHER_TOKEN_CACHE_S": "0"}
+    cp = start_demo_controlplane(
+        ProcessGroup(root), f"sqlite:///{root / 'cp.db'}", str(root / "store"), env
+    )
+    return ControlPlaneProcess(cp.process, cp.url, cp.tokens)
 
 
 def launch_agent(
