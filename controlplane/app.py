@@ -26,7 +26,7 @@ from controlplane.auth import TokenChecker, ensure_admin_token, mint_token
 from controlplane.errors import ERROR_RESPONSES, EngineUnknown, NoVersionYet, install_handlers
 from controlplane.fleet import Fleet
 from controlplane.heartbeats import Heartbeats
-from controlplane.hotpath import HotPath
+from controlplane.hotpath import ControlPlaneApp, HotPath
 from controlplane.metrics import Metrics
 from controlplane.middleware import BodyLimit, RequestMetrics
 from controlplane.pointer import confirm_published
@@ -218,7 +218,7 @@ def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:
             cp.registry.close()
             cp.engine.dispose()
 
-    app = FastAPI(
+    app = ControlPlaneApp(
         title="Tether control plane",
         version="0.1.0",
         description="Fleet registry, runs and versions, and the version-aware router. "
@@ -228,11 +228,14 @@ def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:
     )
     app.state.cp = cp
     install_handlers(app)
-    # Innermost: the hot routes skip FastAPI's routing and dependencies but not the body
-    # limit or the request metrics.
-    app.add_middleware(HotPath, cp=cp)
+    # Both lanes pass the body limit and the request metrics; the hot lane skips the rest.
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     app.add_middleware(RequestMetrics, metrics=cp.metrics)
+    hot_path = HotPath(cp)
+    app.install_hot_lane(
+        hot_path,
+        RequestMetrics(BodyLimit(hot_path, settings.max_body_bytes), cp.metrics),
+    )
 
     # ------------------------------------------------------------------ ops
 

@@ -121,6 +121,13 @@ class NoEngineAvailable(ApiError):
         self.headers = {"Retry-After": "1"}
 
 
+class InternalError(ApiError):
+    """A bug or an unexpected failure on the server; the log has the traceback."""
+
+    status = 500
+    retryable = True
+
+
 def error_response(error: ApiError) -> Response:
     return Response(
         json.dumps(error.body()),

@@ -15,9 +15,7 @@ import time
 from collections.abc import Callable, Mapping
 from functools import partial
 
-import aiohttp
 import orjson
-from multidict import CIMultiDict
 from pydantic import ValidationError
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -35,6 +33,7 @@ from controlplane.schema import (
     RoutingFields,
 )
 from controlplane.snapshot import EngineView, FleetSnapshot
+from controlplane.upstream import Answer, Upstream, UpstreamError
 from store.types import VersionConstraint
 
 log = logging.getLogger(__name__)
@@ -51,26 +50,17 @@ RETRY_STATUSES = frozenset({409, 503})
 ROUTING_KEYS = tuple(RoutingFields.model_fields)
 NO_ROUTING_FIELDS = RoutingFields()
 ANY_VERSION = VersionConstraint()
-TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
-# Sent with every forward. Naming User-Agent and Accept-Encoding here (rather than a
-# session-wide skip list, which aiohttp re-sorts into a new dict per request) keeps
-# aiohttp from adding its own; a ready CIMultiDict is not converted again per request.
-FORWARD_HEADERS: CIMultiDict[str] = CIMultiDict(
-    {"Content-Type": "application/json", "User-Agent": "tether", "Accept-Encoding": "identity"}
-)
+# Header names as sent to the client (ASGI wants them lower-case bytes).
+ENGINE_ID_RAW = ENGINE_ID_HEADER.lower().encode()
+PASSED_THROUGH = tuple(h.lower() for h in (VERSION_START_HEADER, VERSION_END_HEADER))
 
 
-def open_client(timeout_s: float, connections: int = 2048) -> aiohttp.ClientSession:
-    """The one keep-alive HTTP client a process forwards with (call inside the event loop)."""
-    return aiohttp.ClientSession(
-        # Idle connections are dropped before the engine's server would (uvicorn: 5 s), so a
-        # request is never written into a connection the engine is closing.
-        connector=aiohttp.TCPConnector(
-            limit=connections, limit_per_host=0, ttl_dns_cache=300, keepalive_timeout=4.0
-        ),
-        # Like a read timeout: a long stream is fine as long as the engine keeps talking.
-        timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=timeout_s),
-    )
+def open_client(timeout_s: float, connections: int = 2048) -> Upstream:
+    """The keep-alive client a process forwards with (call inside the event loop).
+
+    `timeout_s` is a read timeout: a long stream is fine as long as the engine keeps talking.
+    """
+    return Upstream(read_timeout_s=timeout_s, connect_timeout_s=5.0, max_connections=connections)
 
 
 def validation_error(exc: ValidationError, prefix: str) -> InvalidRequest:
@@ -135,7 +125,7 @@ class Proxy:
         self,
         fleet: Fleet,
         metrics: Metrics,
-        client: aiohttp.ClientSession,
+        client: Upstream,
         attempts: int,
         default_retry_s: float,
     ) -> None:
@@ -175,10 +165,8 @@ class Proxy:
         constraint = fields.weight_version.constraint() if fields.weight_version else ANY_VERSION
         if constraint.exact_version is not None:
             self.fleet.note_exact(run_id, constraint.exact_version)
-        forward_headers = FORWARD_HEADERS
-        if session_id:
-            forward_headers = FORWARD_HEADERS.copy()
-            forward_headers[SESSION_HEADER] = session_id
+        extra = ((SESSION_HEADER, session_id),) if session_id else ()
+        path = ENGINE_PATHS[kind]
         in_flight = self.fleet.in_flight
         tried: set[str] = set()
         saw_not_ready = False
@@ -191,29 +179,23 @@ class Proxy:
             in_flight[engine_id] += 1
             handed_over = False
             try:
-                resp = await self.client.post(
-                    engine.url + ENGINE_PATHS[kind], data=raw, headers=forward_headers
-                )
-                try:
-                    if resp.status not in RETRY_STATUSES:
-                        if fields.stream:
-                            handed_over = True
-                            return EngineStream(
-                                engine, resp, partial(_release, in_flight, engine_id)
-                            )
-                        return _stamp(engine, resp.status, resp.headers, await resp.read())
-                finally:
-                    if not handed_over:
-                        resp.release()
-            except TRANSPORT_ERRORS as exc:
-                log.warning("engine %s at %s failed: %r", engine_id, engine.url, exc)
+                answer = await self.client.post(engine.url, path, raw, extra, fields.stream)
+                if answer.status not in RETRY_STATUSES:
+                    if fields.stream:
+                        handed_over = True
+                        return EngineStream(engine, answer, partial(_release, in_flight, engine_id))
+                    return _stamp(engine, answer)
+                if fields.stream:
+                    answer.close()
+            except UpstreamError as exc:
+                log.warning("engine %s at %s failed: %s", engine_id, engine.url, exc)
                 self.metrics.engine_retries.labels("transport").inc()
                 continue
             finally:
                 if not handed_over:
                     _release(in_flight, engine_id)
-            saw_not_ready = saw_not_ready or resp.status == 409
-            self.metrics.engine_retries.labels(str(resp.status)).inc()
+            saw_not_ready = saw_not_ready or answer.status == 409
+            self.metrics.engine_retries.labels(str(answer.status)).inc()
         if tried and not saw_not_ready:
             self.metrics.not_ready.labels("engines_unavailable").inc()
             raise NoEngineAvailable(
@@ -229,11 +211,22 @@ def _release(in_flight: dict[str, int], engine_id: str) -> None:
     in_flight[engine_id] -= 1
 
 
-def _stamp(engine: EngineView, status: int, headers: Mapping[str, str], content: bytes) -> Response:
+class Forwarded(Response):
+    """A complete answer whose headers are already ASGI's lower-case byte pairs."""
+
+    def __init__(self, status: int, body: bytes, raw_headers: list[tuple[bytes, bytes]]) -> None:
+        self.status_code = status
+        self.body = body
+        self.background = None
+        self.raw_headers = raw_headers
+
+
+def _stamp(engine: EngineView, answer: Answer) -> Response:
     """The engine's answer with the engine id and precision added (JSON) or as it came."""
-    out = {ENGINE_ID_HEADER: engine.engine_id}
-    media = headers.get("Content-Type", "application/json")
-    if status == 200 and media.startswith("application/json"):
+    media = answer.headers.get("content-type", "application/json")
+    content = answer.body
+    raw = [(ENGINE_ID_RAW, engine.engine_id.encode())]
+    if answer.status == 200 and media.startswith("application/json"):
         try:
             body = orjson.loads(content)
         except orjson.JSONDecodeError:
@@ -243,11 +236,13 @@ def _stamp(engine: EngineView, status: int, headers: Mapping[str, str], content:
             body["precision"] = engine.precision.value
             start, end = body.get("weight_version_start"), body.get("weight_version_end")
             if start is not None:
-                out[VERSION_START_HEADER] = str(start)
+                raw.append((b"x-tether-weight-version-start", str(start).encode()))
             if end is not None:
-                out[VERSION_END_HEADER] = str(end)
+                raw.append((b"x-tether-weight-version-end", str(end).encode()))
             content = orjson.dumps(body)
-    return Response(content, status_code=status, headers=out, media_type=media)
+    raw.append((b"content-type", media.encode("latin-1")))
+    raw.append((b"content-length", str(len(content)).encode()))
+    return Forwarded(answer.status, content, raw)
 
 
 class EngineStream(Response):
@@ -258,21 +253,17 @@ class EngineStream(Response):
     connection is closed, so the engine sees the client leave and stops generating.
     """
 
-    def __init__(
-        self, engine: EngineView, resp: aiohttp.ClientResponse, release: Callable[[], None]
-    ) -> None:
-        headers = {ENGINE_ID_HEADER: engine.engine_id}
-        for header in (VERSION_START_HEADER, VERSION_END_HEADER):
-            if header in resp.headers:
-                headers[header] = resp.headers[header]
-        super().__init__(
-            status_code=resp.status,
-            headers=headers,
-            media_type=resp.headers.get("Content-Type", "text/event-stream"),
-        )
+    def __init__(self, engine: EngineView, answer: Answer, release: Callable[[], None]) -> None:
+        raw = [(ENGINE_ID_RAW, engine.engine_id.encode())]
+        raw += [(h.encode(), answer.headers[h].encode("latin-1"))
+                for h in PASSED_THROUGH if h in answer.headers]  # fmt: skip
+        media = answer.headers.get("content-type", "text/event-stream")
         # The length is the engine's business: the body goes out chunked.
-        self.raw_headers = [(k, v) for k, v in self.raw_headers if k != b"content-length"]
-        self.engine_response = resp
+        raw.append((b"content-type", media.encode("latin-1")))
+        self.status_code = answer.status
+        self.background = None
+        self.raw_headers = raw
+        self.answer = answer
         self.release = release
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -290,15 +281,15 @@ class EngineStream(Response):
             await asyncio.gather(pump, watch, return_exceptions=True)
             self.release()
             if finished:
-                self.engine_response.release()
+                self.answer.release()
             else:
-                self.engine_response.close()
+                self.answer.close()
 
     async def _pump(self, send: Send) -> None:
         await send(
             {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
         )
-        async for chunk in self.engine_response.content.iter_any():
+        async for chunk in self.answer.chunks():
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b""})
 

@@ -127,7 +127,8 @@ class RoutingFields(BaseModel):
 
     weight_version: WeightVersionSpec | None = None
     precision: Precision | list[Precision] | None = None
-    session_id: str | None = Field(default=None, max_length=512)
+    # Forwarded to the engine as a header, so printable ASCII only.
+    session_id: str | None = Field(default=None, max_length=512, pattern=r"^[ -~]*$")
     run_id: str | None = Field(default=None, max_length=128)
     stream: bool = False
 

@@ -175,3 +175,13 @@ def test_malformed_json_and_non_object_bodies_are_422(auth_api: Api) -> None:
     assert _error(raw)["field"] == "body"
     listed = auth_api.call("POST", "/v1/generate", "client", json=[1, 2])
     assert _error(listed)["field"] == "body"
+
+
+def test_a_session_id_that_could_break_the_forwarded_headers_is_refused(auth_api: Api) -> None:
+    for bad in ("a\r\nX-Evil: 1", "tab\there", "caf\u00e9"):
+        reply = auth_api.call(
+            "POST", "/v1/generate", "client", json={"text": "x", "session_id": bad}
+        )
+        error = _error(reply)
+        assert reply.status_code == 422
+        assert error["field"] == "body.session_id"
