@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING
 import orjson
 from fastapi import FastAPI
 from pydantic import ValidationError
-from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -113,7 +112,8 @@ class HotPath:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         allowed, handler, arg = scope["tether.hot"]
-        headers = Headers(scope=scope)
+        # Lower-case names; a repeated header keeps its last value (none of ours repeat).
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         try:
             role = await self.cp.tokens.role_of(headers.get("authorization"))
             self.cp.tokens.check(role, allowed)
@@ -130,11 +130,11 @@ class HotPath:
             response = error_response(InternalError("internal error; see the server log"))
         await response(scope, receive, send)
 
-    async def _generate(self, raw: bytes, headers: Headers, kind: str) -> Response:
+    async def _generate(self, raw: bytes, headers: dict[str, str], kind: str) -> Response:
         assert self.cp.proxy is not None
         return await self.cp.proxy.handle(kind, raw, headers)
 
-    async def _heartbeat(self, raw: bytes, _headers: Headers, engine_id: str) -> Response:
+    async def _heartbeat(self, raw: bytes, _headers: dict[str, str], engine_id: str) -> Response:
         reply = await self.cp.heartbeats.answer(engine_id, parse_heartbeat(raw))
         return Response(reply, media_type="application/json")
 

@@ -26,11 +26,13 @@ from controlplane.metrics import Metrics
 from controlplane.router import pick, retry_after_s
 from controlplane.schema import (
     ENGINE_ID_HEADER,
+    MAX_INT,
     RUN_HEADER,
     SESSION_HEADER,
     VERSION_END_HEADER,
     VERSION_START_HEADER,
     RoutingFields,
+    WeightVersionSpec,
 )
 from controlplane.snapshot import EngineView, FleetSnapshot
 from controlplane.upstream import Answer, Upstream, UpstreamError
@@ -50,6 +52,10 @@ RETRY_STATUSES = frozenset({409, 503})
 ROUTING_KEYS = tuple(RoutingFields.model_fields)
 NO_ROUTING_FIELDS = RoutingFields()
 ANY_VERSION = VersionConstraint()
+VERSION_KEYS = frozenset(WeightVersionSpec.model_fields)
+# Request headers are looked up by lower-case name (a plain dict on the hot lane).
+RUN_KEY = RUN_HEADER.lower()
+SESSION_KEY = SESSION_HEADER.lower()
 # Header names as sent to the client (ASGI wants them lower-case bytes).
 ENGINE_ID_RAW = ENGINE_ID_HEADER.lower().encode()
 PASSED_THROUGH = tuple(h.lower() for h in (VERSION_START_HEADER, VERSION_END_HEADER))
@@ -69,7 +75,7 @@ def validation_error(exc: ValidationError, prefix: str) -> InvalidRequest:
     return InvalidRequest(f"{field}: {first['msg']}", field=field)
 
 
-def parse_routing(raw: bytes) -> RoutingFields:
+def parse_routing(raw: bytes) -> tuple[RoutingFields, VersionConstraint]:
     """The Tether fields of a generate body; the rest is not looked at, let alone validated."""
     try:
         body = orjson.loads(raw) if raw else None
@@ -79,11 +85,31 @@ def parse_routing(raw: bytes) -> RoutingFields:
         raise InvalidRequest("body: expected a JSON object", field="body")
     ours = {key: body[key] for key in ROUTING_KEYS if key in body}
     if not ours:
-        return NO_ROUTING_FIELDS
+        return NO_ROUTING_FIELDS, ANY_VERSION
+    if len(ours) == 1 and "weight_version" in ours:
+        plain = plain_constraint(ours["weight_version"])
+        if plain is not None:
+            return NO_ROUTING_FIELDS, plain
     try:
-        return RoutingFields.model_validate(ours)
+        fields = RoutingFields.model_validate(ours)
     except ValidationError as exc:
         raise validation_error(exc, "body") from exc
+    return fields, fields.weight_version.constraint() if fields.weight_version else ANY_VERSION
+
+
+def plain_constraint(spec: object) -> VersionConstraint | None:
+    """The usual `weight_version` — an object of `min_version`/`exact_version`, each an int
+    in range or null, that agree — read without pydantic. None for anything else, which
+    then goes through `RoutingFields` so a mistake is named the same way as always."""
+    if type(spec) is not dict or not spec.keys() <= VERSION_KEYS:
+        return None
+    low, exact = spec.get("min_version"), spec.get("exact_version")
+    for value in (low, exact):
+        if value is not None and (type(value) is not int or not 0 <= value <= MAX_INT):
+            return None
+    if low is not None and exact is not None and exact < low:
+        return None
+    return VersionConstraint(low, exact)
 
 
 def resolve_run(snap: FleetSnapshot, run_id: str | None, field: str) -> str:
@@ -158,11 +184,10 @@ class Proxy:
         return engine
 
     async def handle(self, kind: str, raw: bytes, headers: Mapping[str, str]) -> Response:
-        fields = parse_routing(raw)
+        fields, constraint = parse_routing(raw)
         snap = self.fleet.snapshot
-        run_id = resolve_run(snap, fields.run_id or headers.get(RUN_HEADER), "body.run_id")
-        session_id = headers.get(SESSION_HEADER) or fields.session_id
-        constraint = fields.weight_version.constraint() if fields.weight_version else ANY_VERSION
+        run_id = resolve_run(snap, fields.run_id or headers.get(RUN_KEY), "body.run_id")
+        session_id = headers.get(SESSION_KEY) or fields.session_id
         if constraint.exact_version is not None:
             self.fleet.note_exact(run_id, constraint.exact_version)
         extra = ((SESSION_HEADER, session_id),) if session_id else ()
