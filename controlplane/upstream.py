@@ -24,6 +24,7 @@ import httptools
 # A streamed answer stops being read from the socket while this much is waiting for the
 # client, so a slow client slows the engine's connection instead of filling memory.
 STREAM_HIGH_WATER = 256 * 1024
+MAX_REMEMBERED_ORIGINS = 4096
 
 
 class UpstreamError(Exception):
@@ -234,9 +235,15 @@ class _Connection(asyncio.Protocol):
         self.received = False
         self.last_read = self.loop.time()
         self.timer = self.loop.call_at(self.last_read + self.pool.read_timeout_s, self._check)
-        self.transport.write(head + body if len(body) < 65536 else head)
-        if len(body) >= 65536:
-            self.transport.write(body)  # a large body is not copied into the head
+        try:
+            if len(body) < 65536:
+                self.transport.write(head + body)
+            else:
+                self.transport.write(head)  # a large body is not copied into the head
+                self.transport.write(body)
+        except (OSError, RuntimeError) as exc:
+            # The engine closed the connection under us; connection_lost is on its way.
+            self._fail(UpstreamError(f"{self.origin.host_header.decode()}: write failed ({exc})"))
         if self.drained is not None:
             await self.drained
         return await self.waiter
@@ -383,6 +390,11 @@ class Upstream:
         """
         origin = self._origins.get(url)
         if origin is None:
+            if len(self._origins) >= MAX_REMEMBERED_ORIGINS:
+                # Parsed URLs and request heads are caches; a fleet that churns through
+                # many engines must not grow them without end.
+                self._origins.clear()
+                self._heads.clear()
             origin = self._origins[url] = Origin.parse(url)
         head = self._head(origin, path, extra_headers, len(body))
         for attempt in (0, 1):
@@ -500,8 +512,11 @@ class Upstream:
     def _gone(self, conn: _Connection) -> None:
         self._open -= 1
         idle = self._idle.get(conn.origin)
-        if idle is not None and conn in idle:
-            idle.remove(conn)
+        if idle is not None:
+            if conn in idle:
+                idle.remove(conn)
+            if not idle:
+                del self._idle[conn.origin]  # engines come and go; so do their pools
         self._wake_one()
 
     def _wake_one(self) -> None:
