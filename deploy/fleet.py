@@ -48,8 +48,11 @@ class FleetConfigError(ValueError):
 
 
 def accelerator_family(accelerator: str) -> str:
-    """`A100-80GB` → `A100`, `H100!` → `H100`: the key of the precision table."""
-    return accelerator.strip().rstrip("!").split("-", 1)[0].split(":", 1)[0].upper()
+    """`A100-80GB` → `A100`, `H100!` → `H100`, `B200+` → `B200`, `H200:8` → `H200`: the
+    key of the precision table (Modal's `!` pins the exact type, `+` allows a newer one
+    of the same family, `:N` is the count)."""
+    name = accelerator.strip().split(":", 1)[0].rstrip("!+")
+    return name.split("-", 1)[0].upper()
 
 
 class _Section(BaseModel):
@@ -88,8 +91,13 @@ class ControlPlaneSection(_Section):
     url: str | None = None
 
 
+# The newest SGLang release with evidence of a published image (Docker Hub digest seen
+# 2026-10-07); releases from 0.5.20 on ship CUDA 13 only, hence the explicit -cu130 tag.
+DEFAULT_SGLANG_IMAGE = "lmsysorg/sglang:v0.5.21-cu130"
+
+
 class EngineSection(_Section):
-    image: str = "lmsysorg/sglang:v0.5.23"
+    image: str = DEFAULT_SGLANG_IMAGE
     secret: str = "tether-engine"
     sglang_port: int = Field(default=30000, gt=0, lt=65536)
     agent_port: int = Field(default=8800, gt=0, lt=65536)

@@ -158,9 +158,12 @@ def ensure_sglang(spec: str) -> Check:
     if importlib.util.find_spec("sglang") is not None:
         return Check("sglang", True, "already installed")
     started = time.monotonic()
-    done = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", spec], capture_output=True, text=True
-    )
+    pip = [sys.executable, "-m", "pip", "install", "-q"]
+    done = subprocess.run([*pip, spec], capture_output=True, text=True)
+    if done.returncode != 0:
+        # Some of SGLang's dependencies publish only pre-releases (its install guide tells
+        # uv users to pass --prerelease=allow); retry once allowing them.
+        done = subprocess.run([*pip, "--pre", spec], capture_output=True, text=True)
     if done.returncode != 0:
         return Check("sglang", False, f"pip install {spec} failed: {done.stderr[-500:]}")
     return Check("sglang", True, f"installed {spec} in {time.monotonic() - started:.0f}s")
@@ -339,14 +342,20 @@ def version_checks(engine: Engine, version: int, published_at: float) -> list[Ch
         info = server_info(engine) if engine.agent.alive() else {}
         return [Check(f"catch-up {tag}", False, f"not applied in {CATCH_UP_S:.0f}s: {info}")]
     checks.append(Check(f"catch-up {tag}", True, f"applied {took:.1f}s after publish"))
-    served = httpx.get(f"http://127.0.0.1:{engine.spec.sglang_port}/model_info", timeout=10)
-    label = served.json().get("weight_version")
+    sglang_url = f"http://127.0.0.1:{engine.spec.sglang_port}"
+    label = httpx.get(f"{sglang_url}/model_info", timeout=10).json().get("weight_version")
+    # A finished request's meta_info carries the version it ended on (SGLang sets it from
+    # the tokenizer label, and from the last weight_versions span where spans exist).
+    meta = generate(sglang_url, PROMPTS[1], 4, greedy=True).get("meta_info") or {}
     stamped = generate(engine.agent_url, PROMPTS[1], 4, greedy=True).get("weight_version_end")
     checks.append(
         Check(
             f"served version {tag}",
-            label == str(version) and _as_int(stamped) == version,
-            f"SGLang /model_info says {label!r}, agent stamps {stamped!r}",
+            label == str(version)
+            and str(meta.get("weight_version")) == str(version)
+            and _as_int(stamped) == version,
+            f"SGLang /model_info says {label!r}, its meta_info.weight_version "
+            f"{meta.get('weight_version')!r}, agent stamps {stamped!r}",
         )
     )
     # Requests admitted after the commit need a moment to finish.

@@ -63,10 +63,12 @@ class SGLangEngine(Engine):
         return reply
 
     async def info(self) -> EngineInfo:
+        # `/model_info` is the route (`/get_model_info` is its deprecated alias;
+        # `/get_weight_version` and `/weight_version` never answer with a version).
         body = (await self._call("GET", "/model_info")).json()
         return EngineInfo(
-            model_path=str(body.get("model_path", "")),
-            weight_version=str(body.get("weight_version", "")),
+            model_path=str(body.get("model_path") or ""),
+            weight_version=str(body.get("weight_version") or ""),
         )
 
     async def pause(self, mode: PauseMode) -> None:

@@ -9,6 +9,7 @@ import pytest
 from deploy.fleet import (
     DEFAULT_PRECISION_TABLE,
     DEFAULT_SGLANG_FLAGS,
+    DEFAULT_SGLANG_IMAGE,
     FleetConfigError,
     accelerator_family,
     load_fleet,
@@ -131,3 +132,30 @@ def test_accelerator_family_strips_memory_size_count_and_exclusivity_marks() -> 
     assert accelerator_family("a100-80gb") == "A100"
     assert accelerator_family("H100!") == "H100"
     assert accelerator_family("H200:8") == "H200"
+    assert accelerator_family("B200+") == "B200"
+    assert accelerator_family("H100!:2") == "H100"
+
+
+def test_the_default_engine_image_is_a_pinned_cuda13_sglang_release() -> None:
+    # Pinned, never `latest`; releases from 0.5.20 on publish CUDA 13 images only.
+    repo, tag = DEFAULT_SGLANG_IMAGE.split(":")
+    assert repo == "lmsysorg/sglang"
+    assert tag.startswith("v0.5.") and tag.endswith("-cu130")
+    assert parse_fleet(one_pool("H100")).engine.image == DEFAULT_SGLANG_IMAGE
+
+
+def test_the_example_fleet_uses_the_default_engine_image() -> None:
+    assert load_fleet(EXAMPLE).engine.image == DEFAULT_SGLANG_IMAGE
+
+
+# Every option the precision defaults pass to `sglang.launch_server`, as SGLang's argument
+# parser spells it (checked against SGLang's source; see docs/gpu-check.md).
+SGLANG_OPTIONS = {"--dtype": {"bfloat16"}, "--quantization": {"fp8", "modelopt_fp4"}}
+
+
+@pytest.mark.parametrize("precision", sorted(DEFAULT_SGLANG_FLAGS))
+def test_precision_defaults_use_only_options_sglang_accepts(precision: str) -> None:
+    flags = DEFAULT_SGLANG_FLAGS[precision]
+    pairs = dict(zip(flags[::2], flags[1::2], strict=True))
+    for option, value in pairs.items():
+        assert value in SGLANG_OPTIONS[option], f"{precision}: {option} {value}"

@@ -45,3 +45,14 @@ def test_checked_agents_use_command_lines_the_real_parser_accepts(tmp_path: Path
 def test_an_unknown_engine_kind_is_refused_with_exit_code_2(tmp_path: Path) -> None:
     result = CliRunner().invoke(gpu_check.app, ["--engine", "vllm", "--work-dir", str(tmp_path)])
     assert result.exit_code == 2
+
+
+def test_engine_flags_are_ones_sglang_launch_server_defines() -> None:
+    # Spellings checked against SGLang's server arguments (see docs/gpu-check.md).
+    known = {
+        "--dtype", "--quantization", "--mem-fraction-static", "--random-seed",
+        "--context-length", "--log-level", "--disable-radix-cache", "--disable-cuda-graph",
+    }  # fmt: skip
+    for precision in gpu_check.PRECISIONS:
+        flags = gpu_check.engine_flags(precision, cuda_graph=False)
+        assert {f for f in flags if f.startswith("--")} <= known
