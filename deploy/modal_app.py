@@ -6,9 +6,14 @@ into a `modal.App`. Only `build_app` imports `modal`, so this module imports, an
 can be checked, on a machine without Modal or credentials.
 
 Deploy with `tether deploy modal --config fleet.toml`, which runs
-`modal deploy -m deploy.modal_app` with `TETHER_FLEET_CONFIG` pointing at the file. At
-import the module builds `app` from that variable; inside a container the same file is
-baked into the image, so both sides build the same app.
+`python -m modal deploy -m deploy.modal_app` with `TETHER_FLEET_CONFIG` pointing at the
+file, then calls the deployed `migrate` function once (`run_migration`). At import the
+module builds `app` from that variable; inside a container the same fleet file and
+`pyproject.toml` are added to the image, so both sides build the same plan and app.
+
+Written against the Modal 1.x SDK (checked against modal-client 1.5.4): `App.cls` /
+`App.function` with `min_containers`/`max_containers`/`startup_timeout` (1.2+),
+`modal.concurrent`, `modal.web_server`, `modal.enter`/`modal.exit`, `modal.forward`.
 
 Each replica container converts the base checkpoint to its pool's precision, starts SGLang
 on loopback, opens a Modal tunnel to the agent's port (every replica needs its own address:
@@ -16,7 +21,8 @@ the control plane routes to one engine, not to a load balancer) and starts the a
 that URL as its advertised address. SIGTERM reaches the agent first, so it deregisters.
 
 Must never be imported by another package (ARCHITECTURE §1: `deploy/` is the composition
-root), and must never touch `modal` outside `build_app` and the container hooks.
+root), and must never import `modal` at module level: only `build_app`, `run_migration`
+and the container hooks do.
 """
 
 from __future__ import annotations
@@ -41,11 +47,37 @@ log = logging.getLogger(__name__)
 
 FLEET_ENV = "TETHER_FLEET_CONFIG"
 CONTAINER_FLEET_PATH = "/root/tether-fleet.toml"
+# `project_requirements` reads the pyproject beside the packages; in a container the
+# packages live in /root, so the file goes there too.
+PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+CONTAINER_PYPROJECT_PATH = "/root/pyproject.toml"
 CONTROLPLANE_FUNCTION = "controlplane"
 MIGRATE_FUNCTION = "migrate"
 # Placeholders in a pool's agent command line, filled inside the container at start.
 CONTROL_PLANE_SLOT = "{control_plane_url}"
 REPLICA_URL_SLOT = "{replica_url}"
+
+# The `gpu` strings Modal documents (modal.com/docs/guide/gpu, Aug 2026); a count may follow
+# as `:N`. `H100!` pins H100 (plain `H100` may be upgraded to H200); `B200+` may run on a
+# B200 or a B300. There is no plain `B300`: no pool can ask for one by that name.
+MODAL_GPU_TYPES = frozenset(
+    {
+        "T4",
+        "L4",
+        "A10",
+        "A10G",
+        "L40S",
+        "A100",
+        "A100-40GB",
+        "A100-80GB",
+        "RTX-PRO-6000",
+        "H100",
+        "H100!",
+        "H200",
+        "B200",
+        "B200+",
+    }
+)
 
 # Packages the SGLang image already ships, at the versions SGLang was built against.
 ENGINE_IMAGE_PROVIDES = frozenset(
@@ -61,11 +93,16 @@ TETHER_PACKAGES = (
     "deploy",
     "bench",
 )
-# The images get the source folders, not an installed wheel, so `tether` is a shim.
+# The images get the source folders (in /root), not an installed wheel, so `tether` is a
+# shim. It puts /root on the path itself: the child processes it starts must find the
+# packages whatever the image's working directory is (SGLang's is /sgl-workspace/sglang).
 TETHER_SHIM = (
-    "printf '#!/bin/sh\\nexec python3 -m deploy \"$@\"\\n' > /usr/local/bin/tether"
+    "printf '#!/bin/sh\\nexport PYTHONPATH=/root${PYTHONPATH:+:$PYTHONPATH}\\n"
+    'exec python3 -m deploy "$@"\\n\' > /usr/local/bin/tether'
     " && chmod +x /usr/local/bin/tether"
 )
+# Seconds for one call of a replica's `server_info` method (its inputs, not its start).
+METHOD_TIMEOUT_S = 60
 
 
 @dataclass(frozen=True)
@@ -116,6 +153,13 @@ class PoolPlan:
     agent_argv: tuple[str, ...]
     env: dict[str, str] = field(default_factory=dict)
 
+    @property
+    def container_startup_timeout_s(self) -> int:
+        """Modal's `startup_timeout`: the enter hook waits up to `startup_timeout_s` for each
+        of conversion (if any), SGLang's /health and the agent's /health, one after another."""
+        steps = 3 if self.convert_argv else 2
+        return steps * self.startup_timeout_s
+
     def agent_argv_for(self, control_plane_url: str, replica_url: str) -> list[str]:
         """The agent's command line with the container's real URLs filled in."""
         return [
@@ -162,7 +206,7 @@ def class_name_for(pool: PoolConfig) -> str:
 
 def project_requirements(*extras: str, exclude: frozenset[str] = frozenset()) -> tuple[str, ...]:
     """Requirements of the core package plus `extras`, read from pyproject.toml."""
-    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    pyproject = PYPROJECT
     try:
         project = tomllib.loads(pyproject.read_text())["project"]
     except (OSError, KeyError) as exc:
@@ -179,6 +223,16 @@ def project_requirements(*extras: str, exclude: frozenset[str] = frozenset()) ->
         if name not in exclude and req not in kept:
             kept.append(req)
     return tuple(kept)
+
+
+def gpu_type(gpu: str) -> str:
+    """`a100-80gb:2` → `A100-80GB`: the type part of a Modal `gpu` string, as Modal spells it."""
+    return gpu.split(":", 1)[0].strip().upper()
+
+
+def unknown_gpu_types(gpus: list[str] | tuple[str, ...]) -> list[str]:
+    """The `gpu` strings among `gpus` whose type is not one Modal documents."""
+    return [gpu for gpu in gpus if gpu_type(gpu) not in MODAL_GPU_TYPES]
 
 
 def _volumes(fleet: FleetConfig, with_model: bool) -> dict[str, str]:
@@ -304,8 +358,10 @@ def _image(spec: ImagePlan, fleet_file: Path | None) -> modal.Image:
     if spec.commands:
         image = image.run_commands(*spec.commands)
     image = image.env({**spec.env, FLEET_ENV: CONTAINER_FLEET_PATH})
+    # Modal allows no build step after an `add_local_*` (mounted at start): these go last.
     if fleet_file is not None:
         image = image.add_local_file(str(fleet_file), CONTAINER_FLEET_PATH)
+    image = image.add_local_file(str(PYPROJECT), CONTAINER_PYPROJECT_PATH)
     return image.add_local_python_source(*spec.local_packages)
 
 
@@ -406,7 +462,8 @@ def replica_stop(self: Any) -> None:
 
 
 def replica_server_info(self: Any) -> dict[str, Any]:
-    """The agent's /server_info (applied version, sync state, timings) for `modal run`."""
+    """The agent's /server_info (applied version, sync state, timings), for
+    `modal.Cls.from_name(app, "PoolH100")().server_info.remote()`."""
     import httpx
 
     assert _PLAN is not None
@@ -420,7 +477,8 @@ def build_app(plan: ModalPlan, fleet_file: Path | None = None) -> modal.App:
 
     global _PLAN
     _PLAN = plan
-    app = modal.App(plan.app_name)
+    # Every image adds our packages itself, so Modal need not mount this module's package.
+    app = modal.App(plan.app_name, include_source=False)
     cp = plan.controlplane
     cp_image = _image(cp.image, fleet_file)
     app.function(
@@ -459,9 +517,20 @@ def build_app(plan: ModalPlan, fleet_file: Path | None = None) -> modal.App:
             volumes=_volume_map(pool.volumes),
             min_containers=pool.min_containers,
             max_containers=pool.max_containers,
-            timeout=pool.startup_timeout_s,
+            startup_timeout=pool.container_startup_timeout_s,
+            timeout=METHOD_TIMEOUT_S,
         )(replica_cls)
     return app
+
+
+def run_migration(app_name: str) -> str:
+    """Call the deployed app's `migrate` function once; return the schema head it reports.
+
+    A call on the deployed function, not `modal run`: that would start an ephemeral copy
+    of the whole app (control plane and GPU pools) just to run one function."""
+    import modal
+
+    return modal.Function.from_name(app_name, MIGRATE_FUNCTION).remote()
 
 
 def _app_from_environment() -> modal.App | None:

@@ -1,15 +1,15 @@
 """`tether deploy modal --config fleet.toml [--dry-run]`: show the plan, then deploy it.
 
-The plan (one row per pool, then every command line in start order) is printed in both
-modes; `--dry-run` stops there and needs neither Modal nor credentials. A real deploy runs
-`modal deploy -m deploy.modal_app` and then the one-off `migrate` function.
+The plan (one row per pool, then every command line in start order, then notes on GPU
+names Modal does not offer) is printed in both modes; `--dry-run` stops there and needs
+neither Modal nor credentials. A real deploy runs `python -m modal deploy -m
+deploy.modal_app` and then calls the deployed `migrate` function once.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -24,11 +24,12 @@ console = Console()
 err = Console(stderr=True)
 
 if TYPE_CHECKING:
+    from deploy.fleet import FleetConfig
     from deploy.modal_app import ModalPlan
 
 MODAL_SETUP_HINT = (
-    "install the Modal client and log in:\n"
-    "  pip install 'tether[modal]'   # or: pip install modal\n"
+    "install the Modal client (1.2 or newer) and log in:\n"
+    "  pip install 'tether[modal]'   # or: pip install 'modal>=1.2'\n"
     "  modal setup                   # or set MODAL_TOKEN_ID and MODAL_TOKEN_SECRET\n"
     "then run this command again (or add --dry-run to only print the plan)"
 )
@@ -40,6 +41,28 @@ def modal_credentials_present() -> bool:
         return True
     config = Path(os.environ.get("MODAL_CONFIG_PATH", Path.home() / ".modal.toml"))
     return config.is_file()
+
+
+def gpu_notes(fleet: FleetConfig, plan: ModalPlan) -> list[str]:
+    """What the plan asks of Modal that Modal does not offer by name (the docs' GPU list)."""
+    from deploy.modal_app import MODAL_GPU_TYPES, unknown_gpu_types
+
+    notes = [
+        f"pool {pool.name!r}: gpu {pool.gpu!r} is not a Modal GPU type (Modal offers "
+        f"{', '.join(sorted(MODAL_GPU_TYPES))}); Modal will refuse this deploy"
+        for pool in plan.pools
+        if unknown_gpu_types([pool.gpu])
+    ]
+    table = fleet.precision_table()
+    for family in sorted(f for f in table if unknown_gpu_types([f])):
+        hint = ""
+        if family == "B300":
+            hint = " (a `B200+` pool may run on a B300 and is looked up as B200)"
+        notes.append(
+            f"precision table: {family} → {table[family]} is kept for other platforms, "
+            f"but {family} is not a Modal GPU type{hint}"
+        )
+    return notes
 
 
 def render_plan(plan: ModalPlan) -> None:
@@ -92,17 +115,20 @@ def deploy_modal(
 ) -> None:
     """Render the fleet's Modal plan and deploy it (control plane + one class per pool)."""
     from deploy.fleet import FleetConfigError, load_fleet
-    from deploy.modal_app import FLEET_ENV, MIGRATE_FUNCTION, build_plan
+    from deploy.modal_app import FLEET_ENV, MIGRATE_FUNCTION, build_plan, run_migration
 
     try:
-        plan = build_plan(load_fleet(config))
+        fleet = load_fleet(config)
+        plan = build_plan(fleet)
     except FleetConfigError as exc:
         err.print(f"[red]error:[/] {exc}")
         raise typer.Exit(2) from None
     render_plan(plan)
+    for note in gpu_notes(fleet, plan):
+        console.print(f"[yellow]note:[/] {note}")
     if dry_run:
         return
-    if importlib.util.find_spec("modal") is None or shutil.which("modal") is None:
+    if importlib.util.find_spec("modal") is None:
         err.print(f"[red]error:[/] the Modal client is not installed; {MODAL_SETUP_HINT}")
         raise typer.Exit(1)
     if not modal_credentials_present():
@@ -110,13 +136,24 @@ def deploy_modal(
         raise typer.Exit(1)
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, FLEET_ENV: str(config.resolve())}
-    steps = [["modal", "deploy", "-m", "deploy.modal_app"]]
+    # The interpreter's own Modal CLI, whether or not `modal` is on PATH.
+    step = [sys.executable, "-m", "modal", "deploy", "-m", "deploy.modal_app"]
+    console.print("$ " + " ".join(["modal", *step[3:]]))
+    code = subprocess.call(step, cwd=root, env=env, stdout=sys.stdout, stderr=sys.stderr)
+    if code != 0:
+        err.print(f"[red]error:[/] modal deploy exited with code {code}")
+        raise typer.Exit(code)
     if not skip_migrate:
-        steps.append(["modal", "run", "-m", f"deploy.modal_app::{MIGRATE_FUNCTION}"])
-    for step in steps:
-        console.print(f"$ {' '.join(step)}")
-        code = subprocess.call(step, cwd=root, env=env, stdout=sys.stdout, stderr=sys.stderr)
-        if code != 0:
-            err.print(f"[red]error:[/] {' '.join(step)} exited with code {code}")
-            raise typer.Exit(code)
+        import modal.exception
+
+        console.print(f"calling {plan.app_name}.{MIGRATE_FUNCTION} (database migration)")
+        try:
+            head = run_migration(plan.app_name)
+        except (modal.exception.Error, RuntimeError) as exc:
+            err.print(
+                f"[red]error:[/] the migration failed: {exc}; fix the database settings in "
+                "the control-plane secret, then rerun (add --skip-migrate to skip it)"
+            )
+            raise typer.Exit(1) from None
+        console.print(f"database schema at {head}")
     console.print(f"[green]deployed[/] Modal app {plan.app_name!r}")
