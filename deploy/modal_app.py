@@ -178,6 +178,12 @@ class ModalPlan:
     control_plane_url: str | None
     controlplane: ControlPlanePlan
     pools: tuple[PoolPlan, ...]
+    # Keys each secret must hold; Modal refuses the deploy when one is missing, instead
+    # of replicas failing at start.
+    secret_keys: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def required_keys(self, secret: str) -> list[str]:
+        return list(self.secret_keys.get(secret, ()))
 
     def pool(self, name: str) -> PoolPlan:
         for pool in self.pools:
@@ -246,6 +252,21 @@ def _volumes(fleet: FleetConfig, with_model: bool) -> dict[str, str]:
 
 def _secrets(*names: str | None) -> tuple[str, ...]:
     return tuple(n for n in names if n)
+
+
+def _secret_keys(fleet: FleetConfig) -> dict[str, tuple[str, ...]]:
+    """What each named secret must contain (a secret used for several roles needs all)."""
+    wanted: list[tuple[str | None, tuple[str, ...]]] = [
+        (fleet.controlplane.secret, ("TETHER_DB_URL",)),
+        (fleet.engine.secret, ("TETHER_TOKEN",)),
+    ]
+    if fleet.store.effective_url.startswith("s3://"):
+        wanted.append((fleet.store.secret, ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")))
+    keys: dict[str, tuple[str, ...]] = {}
+    for name, needed in wanted:
+        if name:
+            keys[name] = tuple(dict.fromkeys((*keys.get(name, ()), *needed)))
+    return keys
 
 
 def build_plan(fleet: FleetConfig) -> ModalPlan:
@@ -339,6 +360,7 @@ def build_plan(fleet: FleetConfig) -> ModalPlan:
         control_plane_url=cp.url,
         controlplane=controlplane,
         pools=tuple(pools),
+        secret_keys=_secret_keys(fleet),
     )
 
 
@@ -471,6 +493,12 @@ def replica_server_info(self: Any) -> dict[str, Any]:
     return httpx.get(f"http://127.0.0.1:{port}/server_info", timeout=10.0).json()
 
 
+def _modal_secrets(plan: ModalPlan, names: tuple[str, ...]) -> list[Any]:
+    import modal
+
+    return [modal.Secret.from_name(n, required_keys=plan.required_keys(n)) for n in names]
+
+
 def build_app(plan: ModalPlan, fleet_file: Path | None = None) -> modal.App:
     """The `modal.App` for `plan`; needs `modal` installed (not credentials)."""
     import modal
@@ -484,7 +512,7 @@ def build_app(plan: ModalPlan, fleet_file: Path | None = None) -> modal.App:
     app.function(
         image=cp_image,
         name=CONTROLPLANE_FUNCTION,
-        secrets=[modal.Secret.from_name(s) for s in cp.secrets],
+        secrets=_modal_secrets(plan, cp.secrets),
         volumes=_volume_map(cp.volumes),
         min_containers=cp.min_containers,
         max_containers=cp.max_containers,
@@ -496,7 +524,7 @@ def build_app(plan: ModalPlan, fleet_file: Path | None = None) -> modal.App:
     app.function(
         image=cp_image,
         name=MIGRATE_FUNCTION,
-        secrets=[modal.Secret.from_name(s) for s in cp.secrets],
+        secrets=_modal_secrets(plan, cp.secrets),
         timeout=600,
     )(migrate)
     for pool in plan.pools:
@@ -513,7 +541,7 @@ def build_app(plan: ModalPlan, fleet_file: Path | None = None) -> modal.App:
         globals()[pool.class_name] = app.cls(
             image=_image(pool.image, fleet_file),
             gpu=pool.gpu,
-            secrets=[modal.Secret.from_name(s) for s in pool.secrets],
+            secrets=_modal_secrets(plan, pool.secrets),
             volumes=_volume_map(pool.volumes),
             min_containers=pool.min_containers,
             max_containers=pool.max_containers,

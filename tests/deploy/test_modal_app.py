@@ -185,6 +185,7 @@ class _Recorder:
         self.classes: dict[str, dict[str, Any]] = {}
         self.web_servers: list[dict[str, Any]] = []
         self.concurrent: list[int] = []
+        self.secret_keys: dict[str, set[str]] = {}
 
     def module(self) -> types.ModuleType:
         rec = self
@@ -260,6 +261,7 @@ class _Recorder:
             return lambda f: f
 
         def secret_from_name(name: str, *, required_keys: list[str] | None = None) -> Any:
+            rec.secret_keys.setdefault(name, set()).update(required_keys or ())
             return ("secret", name)
 
         def volume_from_name(name: str, *, create_if_missing: bool = False) -> Any:
@@ -437,3 +439,16 @@ def test_bad_fleet_file_exits_2_with_the_problem(tmp_path: Path) -> None:
     assert result.exit_code == 2
     assert "no precision for accelerator 'T4'" in result.output
     assert "Traceback" not in result.output
+
+
+def test_each_secret_must_hold_the_keys_its_processes_read(
+    plan: ModalPlan, recorded: tuple[_Recorder, Any]
+) -> None:
+    recorder, _ = recorded
+    fleet = load_fleet(EXAMPLE)
+    assert plan.store_url.startswith("s3://")
+    assert recorder.secret_keys == {
+        fleet.controlplane.secret: {"TETHER_DB_URL"},
+        fleet.engine.secret: {"TETHER_TOKEN"},
+        fleet.store.secret: {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"},
+    }
