@@ -112,6 +112,7 @@ class Agent:
             run_id=settings.run,
             server_info=self.server_info,
             on_engine_error=self._engine_down,
+            connections=settings.engine_connections,
         )
 
     # ---- reporting -----------------------------------------------------------------------

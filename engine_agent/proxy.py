@@ -160,6 +160,7 @@ class VersionedProxy:
         server_info: Callable[[], dict[str, Any]],
         on_engine_error: Callable[[str], None] | None = None,
         timeout_s: float = 600.0,
+        connections: int = 1024,
     ) -> None:
         self.engine_url = engine_url.rstrip("/")
         self.gate = gate
@@ -171,7 +172,9 @@ class VersionedProxy:
         self.client = httpx.AsyncClient(
             base_url=self.engine_url,
             timeout=httpx.Timeout(timeout_s, connect=5.0),
-            limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
+            # Every connection may stay alive: at high concurrency a smaller keep-alive pool
+            # would open and close a TCP connection per request.
+            limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
         )
         self._background: set[asyncio.Task[None]] = set()
 

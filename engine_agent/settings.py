@@ -48,6 +48,10 @@ class AgentSettings(BaseSettings):
     pause_mode: PauseMode = PauseMode.IN_PLACE
     accelerator: str = "cpu"
     capacity: int = Field(default=1, ge=1)
+    # Connections the proxy may hold open to the engine: the most requests it forwards at
+    # once (more wait for a connection). Keep it above the engine's own running-request
+    # limit, or it, not the engine, caps the batch.
+    engine_connections: int = Field(default=1024, ge=1)
     labels: dict[str, str] = Field(default_factory=dict)
     # Timing knobs (seconds).
     admission_wait_s: float = Field(default=30.0, gt=0)

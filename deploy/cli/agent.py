@@ -38,6 +38,12 @@ def run(
     pause_mode: str = typer.Option(None, "--pause-mode", help="in_place (default) | quiesce"),
     accelerator: str = typer.Option(None, "--accelerator", help="e.g. cpu, h100, b200."),
     capacity: int = typer.Option(None, "--capacity", help="Concurrent requests it can take."),
+    engine_connections: int = typer.Option(
+        None,
+        "--engine-connections",
+        help="Most requests forwarded to the engine at once (default 1024); keep it above "
+        "the engine's running-request limit.",
+    ),
     label: list[str] = typer.Option(None, "--label", help="key=value, repeatable."),
     log_level: str = typer.Option(None, "--log-level", help="debug | info | warning"),
 ) -> None:
@@ -66,6 +72,7 @@ def run(
         "pause_mode": pause_mode,
         "accelerator": accelerator,
         "capacity": capacity,
+        "engine_connections": engine_connections,
         "labels": label or None,
         "log_level": log_level,
     }

@@ -181,3 +181,74 @@ def test_stamp_takes_the_span_from_the_engine_and_covers_batches() -> None:
     assert (batch[0]["weight_version_start"], batch[0]["weight_version_end"]) == (7, 8)
     assert (batch[1]["weight_version_start"], batch[1]["weight_version_end"]) == (7, 7)
     assert "/update_weights_from_disk" in CONTROL_PATHS
+
+
+def test_the_proxy_carries_more_concurrent_requests_than_a_small_pool_would() -> None:
+    """An engine that answers only once 300 requests are in at once: with the old limit of
+    256 connections the rest would wait for ever; with the default 1024 all are answered."""
+    import asyncio
+
+    from controlplane.schema import Precision
+    from engine_agent.gate import AdmissionGate
+    from engine_agent.proxy import VersionedProxy
+    from engine_agent.status import AgentStatus
+
+    wanted = 300
+
+    async def main() -> list[int]:
+        arrived = 0
+        everyone_in = asyncio.Event()
+
+        async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal arrived
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next(
+                int(line.split(b":")[1])
+                for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length:")
+            )
+            await reader.readexactly(length)
+            arrived += 1
+            if arrived == wanted:
+                everyone_in.set()
+            await everyone_in.wait()
+            body = json.dumps({"text": "ok", "meta_info": {"weight_version": "0"}}).encode()
+            writer.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+                + str(len(body)).encode()
+                + b"\r\n\r\n"
+                + body
+            )
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(engine, "127.0.0.1", 0, backlog=1024)
+        port = server.sockets[0].getsockname()[1]
+        proxy = VersionedProxy(
+            engine_url=f"http://127.0.0.1:{port}",
+            gate=AdmissionGate(served=0),
+            status=AgentStatus(applied_version=0, caught_up=True),
+            precision=Precision.BF16,
+            run_id="r",
+            server_info=dict,
+        )
+        transport = httpx.ASGITransport(app=proxy.app())
+        try:
+            async with httpx.AsyncClient(
+                transport=transport, base_url="http://agent", timeout=60
+            ) as client:
+                replies = await asyncio.wait_for(
+                    asyncio.gather(
+                        *(
+                            client.post("/generate", json={"text": "x", "sampling_params": {}})
+                            for _ in range(wanted)
+                        )
+                    ),
+                    60,
+                )
+        finally:
+            await proxy.close()
+            server.close()
+        return [r.status_code for r in replies]
+
+    assert asyncio.run(main()) == [200] * wanted
