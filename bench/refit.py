@@ -20,11 +20,6 @@ object with the figures.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -49,50 +44,6 @@ def training_step(tensors: dict, seed: int, fraction: float = 0.05) -> dict:
         step = torch.randn(values.shape, generator=generator) * 1e-2
         out[name] = to_raw((values + mask * step).to(tensor.dtype))
     return out
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _spawn(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    with log.open("ab") as out:
-        return subprocess.Popen(
-            cmd,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
-            start_new_session=True,
-        )
-
-
-def _stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(15)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(15)
-
-
-def _wait(url: str, process: subprocess.Popen, log: Path, deadline_s: float, ok=None) -> None:  # type: ignore[no-untyped-def]
-    import httpx
-
-    check = ok or (lambda reply: reply.status_code == 200)
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        if process.poll() is not None:
-            raise RuntimeError(f"{process.args[:3]} exited:\n{log.read_text()[-3000:]}")
-        try:
-            if check(httpx.get(url, timeout=5.0)):
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.05)  # polling interval, bounded by the deadline
-    raise TimeoutError(f"{url} not ready within {deadline_s}s (log: {log})")
 
 
 def _client_loop(url: str, stop: threading.Event, done: list[float], tokens: int) -> None:
@@ -124,6 +75,7 @@ def run(
     from rich.console import Console
     from rich.table import Table
 
+    from deploy.processes import TETHER, ProcessGroup, free_port
     from engine_agent.precision.checkpoint import (
         copy_side_files,
         read_tensors,
@@ -136,13 +88,12 @@ def run(
     from store.types import VersionRef
 
     console = Console()
-    tether = str(Path(sys.executable).with_name("tether"))
     scratch = (
         tempfile.TemporaryDirectory(prefix="tether-bench-refit-") if work_dir is None else None
     )
     root = Path(scratch.name) if scratch else Path(work_dir)  # type: ignore[arg-type]
     root.mkdir(parents=True, exist_ok=True)
-    processes: list[subprocess.Popen] = []
+    processes = ProcessGroup(root)
     try:
         with console.status("building the model and publishing v0"):
             spec = TinyModelSpec(
@@ -163,23 +114,23 @@ def run(
                 VersionRef(RUN, 0),
                 encode_version(v0, None, version=0, base_version=None, codec="full"),
             )
-        engine_port, agent_port = _free_port(), _free_port()
+        engine_port, agent_port = free_port(), free_port()
         engine_url, agent_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{agent_port}"
         with console.status("starting the engine and its agent"):
-            engine = _spawn([tether, "engine", "reference", "--model", str(served_boot),
-                             "--port", str(engine_port)], root / "engine.log")  # fmt: skip
-            processes.append(engine)
-            agent = _spawn(
-                [tether, "agent", "run", "--engine-url", engine_url, "--precision", precision,
+            engine = processes.start("engine", [TETHER, "engine", "reference", "--model",
+                                     str(served_boot), "--port", str(engine_port)],
+                                     url=engine_url)  # fmt: skip
+            agent = processes.start(
+                "agent",
+                [TETHER, "agent", "run", "--engine-url", engine_url, "--precision", precision,
                  "--store", str(root / "store"), "--run", RUN, "--port", str(agent_port),
                  "--boot-model", str(served_boot), "--boot-version", "0",
                  "--work-dir", str(root / "agent")],
-                root / "agent.log",
-                {"TETHER_AGENT_POINTER_POLL_S": "0.2"},
+                env={"TETHER_AGENT_POINTER_POLL_S": "0.2"},
+                url=agent_url,
             )  # fmt: skip
-            processes.append(agent)
-            _wait(f"{engine_url}/ready", engine, root / "engine.log", 600)
-            _wait(f"{agent_url}/health", agent, root / "agent.log", 600)
+            engine.wait_http("/ready", 600, interval_s=0.05)
+            agent.wait_http("/health", 600, interval_s=0.05)
 
         stop, done = threading.Event(), []
         client = threading.Thread(
@@ -191,9 +142,9 @@ def run(
             files = encode_version(v1, v0, version=1, base_version=0, codec="sparse")
             published_at = time.time()
             store.publish(VersionRef(RUN, 1), files)
-            _wait(
-                f"{agent_url}/server_info", agent, root / "agent.log", 900,
-                ok=lambda r: r.json()["applied_version"] == 1,
+            agent.wait_http(
+                "/server_info", 900, ready=lambda r: r.json()["applied_version"] == 1,
+                interval_s=0.05,
             )  # fmt: skip
         stop.set()
         client.join(120)
@@ -201,7 +152,7 @@ def run(
         commit_started = last["finished_at"] - last["commit_s"]
         staging_started = commit_started - last["stage_s"]
         during = sum(1 for t in done if staging_started <= t <= commit_started)
-        _stop(agent)
+        agent.stop(15)
 
         # Naive 1: pause, then fetch + fold + write + load with nothing prepared in advance.
         with console.status("naive refit: unstaged update_weights_from_disk"):
@@ -236,21 +187,20 @@ def run(
                 http.post("/continue_generation", json={})
                 unstaged_pause = time.perf_counter() - started
                 assert reply.status_code == 200, reply.text
-        _stop(engine)
+        engine.stop(15)
 
         # Naive 2: the engine restarts from the new folder (constructs the model again).
         with console.status("naive refit: restart the engine on the new checkpoint"):
-            port = _free_port()
+            port = free_port()
             started = time.perf_counter()
-            fresh = _spawn([tether, "engine", "reference", "--model", str(folder),
-                            "--port", str(port)], root / "restart.log")  # fmt: skip
-            processes.append(fresh)
-            _wait(f"http://127.0.0.1:{port}/ready", fresh, root / "restart.log", 900)
+            fresh = processes.start("restart", [TETHER, "engine", "reference", "--model",
+                                    str(folder), "--port", str(port)],
+                                    url=f"http://127.0.0.1:{port}")  # fmt: skip
+            fresh.wait_http("/ready", 900, interval_s=0.05)
             restart_pause = time.perf_counter() - started
-            _stop(fresh)
+            fresh.stop(15)
     finally:
-        for process in processes:
-            _stop(process)
+        processes.stop_all(15)
         if scratch is not None:
             scratch.cleanup()
 

@@ -17,11 +17,9 @@ Run: `tether bench router` or `python -m bench.router --samples 2000 --requests 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,6 +28,8 @@ from typing import Any
 
 import typer
 
+from deploy.processes import TETHER, ProcessFailed, ProcessGroup, free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 ADMIN = "tth_bench-admin-token-not-secret"
 START_DEADLINE_S = 60.0
@@ -37,69 +37,21 @@ START_DEADLINE_S = 60.0
 LONG_LEASE = {"TETHER_LEASE_SECONDS": "120"}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _wait_http(
-    url: str, proc: subprocess.Popen[bytes], deadline_s: float = START_DEADLINE_S
-) -> None:
-    import httpx
-
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)  # waiting for a process to come up, bounded by the deadline
-    raise RuntimeError(f"{url} did not answer within {deadline_s}s")
-
-
 def _percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-class Processes:
-    def __init__(self, logdir: Path) -> None:
-        self.logdir = logdir
-        self.started: list[subprocess.Popen[bytes]] = []
-
-    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Any:
-        out = (self.logdir / f"{name}.log").open("ab")
-        proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
-        self.started.append(proc)
-        return proc
-
-    def stop(self) -> None:
-        for proc in reversed(self.started):
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.started:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-
-
 def _start_controlplane(
-    procs: Processes, db_url: str, store: Path, workers: int = 1, **env: str
+    procs: ProcessGroup, db_url: str, store: Path, workers: int = 1, **env: str
 ) -> str:
-    port = _free_port()
-    tether = str(Path(sys.executable).with_name("tether"))
-    argv = [tether, "controlplane", "serve", "--db", db_url, "--store", str(store),
+    port = free_port()
+    argv = [TETHER, "controlplane", "serve", "--db", db_url, "--store", str(store),
             "--port", str(port), "--log-level", "warning", "--workers", str(workers)]  # fmt: skip
-    proc = procs.start(
-        f"controlplane-{port}", argv, {**os.environ, "TETHER_ADMIN_TOKEN": ADMIN, **env}
-    )
     url = f"http://127.0.0.1:{port}"
-    _wait_http(url + "/readyz", proc)
+    procs.start(
+        f"controlplane-{port}", argv, env={"TETHER_ADMIN_TOKEN": ADMIN, **env}, url=url, cwd=ROOT
+    ).wait_http("/readyz", START_DEADLINE_S)
     return url
 
 
@@ -262,22 +214,22 @@ async def _compare(
     }
 
 
-def _start_rust_router(procs: Processes, engines: list[str]) -> tuple[str | None, str | None]:
+def _start_rust_router(procs: ProcessGroup, engines: list[str]) -> tuple[str | None, str | None]:
     """Start SGLang's Rust router; return (url, None) or (None, why not)."""
     try:
         import sglang_router  # noqa: F401
     except ImportError as exc:
         return None, f"sglang-router is not installed ({exc}); pip install sglang-router"
-    port = _free_port()
+    port = free_port()
     argv = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *engines,
             "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
             "--log-level", "warn"]  # fmt: skip
-    proc = procs.start("sglang-router", argv)
+    url = f"http://127.0.0.1:{port}"
     try:
-        _wait_http(f"http://127.0.0.1:{port}/readiness", proc, 60)
-    except RuntimeError as exc:
+        procs.start("sglang-router", argv, url=url, cwd=ROOT).wait_http("/readiness", 60)
+    except ProcessFailed as exc:
         return None, f"sglang-router did not start: {exc}"
-    return f"http://127.0.0.1:{port}", None
+    return url, None
 
 
 def _decision_time(engines: int) -> float:
@@ -404,7 +356,7 @@ def run(
 
     console = Console()
     work = Path(tempfile.mkdtemp(prefix="tether-bench-router-"))
-    procs = Processes(work)
+    procs = ProcessGroup(work)
     figures: dict[str, Any] = {}
     try:
         store = work / "store"
@@ -418,12 +370,12 @@ def run(
         engine_token = minted.json()["token"]
         urls = []
         for i in range(engines):
-            port = _free_port()
-            proc = procs.start(f"engine{i}", [sys.executable, "-m", "tests.standins.engine",
-                               "--port", str(port), "--version", "1", "--controlplane", cp,
-                               "--token", engine_token, "--run-id", "bench"])  # fmt: skip
+            port = free_port()
             urls.append(f"http://127.0.0.1:{port}")
-            _wait_http(urls[-1] + "/health", proc)
+            procs.start(f"engine{i}", [sys.executable, "-m", "tests.standins.engine",
+                        "--port", str(port), "--version", "1", "--controlplane", cp,
+                        "--token", engine_token, "--run-id", "bench"],
+                        url=urls[-1], cwd=ROOT).wait_http("/health", START_DEADLINE_S)  # fmt: skip
         deadline = time.monotonic() + 30
         headers = {"Authorization": f"Bearer {ADMIN}"}
         while len(httpx.get(f"{cp}/v1/engines", headers=headers).json()["engines"]) < engines:
@@ -502,13 +454,13 @@ def run(
                     _heartbeats(pg_cp, fleet, heartbeat_seconds), 2
                 )
             finally:
-                procs.stop()
+                procs.stop_all()
                 drop_database()
             console.print(f"heartbeat p99, PostgreSQL: {figures['heartbeat_p99_ms_postgres']} ms")
         else:
             console.print("[yellow]PostgreSQL heartbeat figure skipped:[/yellow] pass --pg-url")
     finally:
-        procs.stop()
+        procs.stop_all()
         shutil.rmtree(work, ignore_errors=True)
     figures.update(
         workers=workers,

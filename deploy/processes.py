@@ -102,9 +102,10 @@ class ManagedProcess:
         path: str = "/health",
         deadline_s: float = 60.0,
         ready: Callable[[httpx.Response], bool] | None = None,
+        interval_s: float = 0.1,
     ) -> ManagedProcess:
-        """Poll `url + path` until it answers 200 (or as `ready` wants). If the child exits
-        first or the deadline passes, stop it and raise `ProcessFailed`."""
+        """Poll `url + path` every `interval_s` until it answers 200 (or as `ready` wants).
+        If the child exits first or the deadline passes, stop it and raise `ProcessFailed`."""
         if self.url is None:
             raise ValueError(f"{self.name} was started without a URL; pass url= to wait on it")
         accept = ready or (lambda reply: reply.status_code == 200)
@@ -121,7 +122,7 @@ class ManagedProcess:
                 return False
 
         try:
-            wait_until(answers, deadline_s, f"{self.name} at {self.url}{path}", 0.1)
+            wait_until(answers, deadline_s, f"{self.name} at {self.url}{path}", interval_s)
         except DeadlineExceeded:
             self.stop()
             raise ProcessFailed(
@@ -242,8 +243,10 @@ class ProcessGroup:
         return child
 
     def stop_all(self, grace_s: float = 5.0) -> None:
-        """Stop every child, newest first (agents deregister before their engines go)."""
+        """Stop every child, newest first (agents deregister before their engines go), and
+        forget them: a second call signals nothing (their process ids may be reused)."""
         stop_all(reversed(self.children), grace_s)
+        self.children.clear()
 
     def __enter__(self) -> ProcessGroup:
         self._previous_sigterm = signal.getsignal(signal.SIGTERM)
