@@ -143,16 +143,14 @@ class ControlPlaneApp(FastAPI):
     """FastAPI with the hot lane in front: hot requests never enter FastAPI's middleware
     stack, routing or dependency injection (about a tenth of a generate request's CPU)."""
 
-    hot_path: HotPath | None = None
-    hot_lane: ASGIApp | None = None
+    _hot: tuple[HotPath, ASGIApp] | None = None
 
     def install_hot_lane(self, hot_path: HotPath, lane: ASGIApp) -> None:
         """`lane` is `hot_path` wrapped in the middleware both lanes share."""
-        self.hot_path = hot_path
-        self.hot_lane = lane
+        self._hot = (hot_path, lane)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.hot_lane is not None and self.hot_path is not None and self.hot_path.claim(scope):
-            await self.hot_lane(scope, receive, send)
+        if self._hot is not None and self._hot[0].claim(scope):
+            await self._hot[1](scope, receive, send)
             return
         await super().__call__(scope, receive, send)

@@ -58,6 +58,8 @@ RUN_KEY = RUN_HEADER.lower()
 SESSION_KEY = SESSION_HEADER.lower()
 # Header names as sent to the client (ASGI wants them lower-case bytes).
 ENGINE_ID_RAW = ENGINE_ID_HEADER.lower().encode()
+VERSION_START_RAW = VERSION_START_HEADER.lower().encode()
+VERSION_END_RAW = VERSION_END_HEADER.lower().encode()
 PASSED_THROUGH = tuple(h.lower() for h in (VERSION_START_HEADER, VERSION_END_HEADER))
 
 
@@ -261,9 +263,9 @@ def _stamp(engine: EngineView, answer: Answer) -> Response:
             body["precision"] = engine.precision.value
             start, end = body.get("weight_version_start"), body.get("weight_version_end")
             if start is not None:
-                raw.append((b"x-tether-weight-version-start", str(start).encode()))
+                raw.append((VERSION_START_RAW, str(start).encode()))
             if end is not None:
-                raw.append((b"x-tether-weight-version-end", str(end).encode()))
+                raw.append((VERSION_END_RAW, str(end).encode()))
             content = orjson.dumps(body)
     raw.append((b"content-type", media.encode("latin-1")))
     raw.append((b"content-length", str(len(content)).encode()))

@@ -181,7 +181,7 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed()
         if self.answer is not None and self.until_close and not self.answer._complete:
-            self._complete()  # the body ran until the engine closed, as announced
+            self._message_done()  # the body ran until the engine closed, as announced
             return
         what = f"connection to {self.origin.host_header.decode()} closed"
         self._fail(UpstreamError(f"{what}: {exc!r}" if exc else what))
@@ -221,7 +221,7 @@ class _Connection(asyncio.Protocol):
             self.body_parts.append(body)
 
     def on_message_complete(self) -> None:
-        self._complete()
+        self._message_done()
 
     # Requests ---------------------------------------------------------------------------
 
@@ -248,7 +248,7 @@ class _Connection(asyncio.Protocol):
             await self.drained
         return await self.waiter
 
-    def _complete(self) -> None:
+    def _message_done(self) -> None:
         answer = self.answer
         if answer is None:
             return
@@ -262,7 +262,6 @@ class _Connection(asyncio.Protocol):
             and self.transport.get_write_buffer_size() == 0
         )
         if not keep:
-            self.until_close = False
             self.close()
         if self.stream:
             answer._finish()
@@ -323,13 +322,10 @@ class _Connection(asyncio.Protocol):
             self.last_read = self.loop.time()
             self.transport.resume_reading()
 
-    def close_transport(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
-
     def close(self) -> None:
         self._stop_timer()
-        self.close_transport()
+        if self.transport is not None:
+            self.transport.close()
         self._closed()
 
     def _closed(self) -> None:

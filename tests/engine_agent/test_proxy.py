@@ -3,6 +3,7 @@ store pointer alone (no control plane) and committing in `quiesce` mode."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -11,7 +12,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine_agent.proxy import CONTROL_PATHS, prepare_body, stamp
+from controlplane.schema import Precision
+from engine_agent.gate import AdmissionGate
+from engine_agent.proxy import CONTROL_PATHS, VersionedProxy, prepare_body, stamp
+from engine_agent.status import AgentStatus
 from tests.engine_agent.conftest import (
     VersionChain,
     generate,
@@ -186,13 +190,6 @@ def test_stamp_takes_the_span_from_the_engine_and_covers_batches() -> None:
 def test_the_proxy_carries_more_concurrent_requests_than_a_small_pool_would() -> None:
     """An engine that answers only once 300 requests are in at once: with the old limit of
     256 connections the rest would wait for ever; with the default 1024 all are answered."""
-    import asyncio
-
-    from controlplane.schema import Precision
-    from engine_agent.gate import AdmissionGate
-    from engine_agent.proxy import VersionedProxy
-    from engine_agent.status import AgentStatus
-
     wanted = 300
 
     async def main() -> list[int]:
