@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 
 import httpx
 import pytest
 
+from deploy.processes import wait_until
 from engine_agent.reference.engine import weights_checksum
 from engine_agent.reference.weights import dequantized_tensors
 from tests.fixtures.reference_engine import ReferenceEngineProcess, start_reference_engine
@@ -43,11 +43,8 @@ def state(engine: ReferenceEngineProcess) -> dict:
     return httpx.get(f"{engine.url}/server_info").json()["internal_states"][0]
 
 
-def wait_for(predicate, what: str) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
+def running_one(engine: ReferenceEngineProcess) -> Callable[[], bool]:
+    return lambda: state(engine)["num_running_reqs"] == 1
 
 
 @contextmanager
@@ -144,7 +141,7 @@ def test_update_without_pause_waits_for_running_requests_to_finish_on_old_weight
         running: Future = pool.submit(
             post, engine, "/generate", {"text": "2+2=", "sampling_params": LONG}
         )
-        wait_for(lambda: state(engine)["num_running_reqs"] == 1, "the request to run")
+        wait_until(running_one(engine), DEADLINE_S, "the request to run", 0.02)
         update = post(
             engine,
             "/update_weights_from_disk",
@@ -160,7 +157,7 @@ def test_update_without_pause_waits_for_running_requests_to_finish_on_old_weight
 def test_pause_abort_returns_in_flight_requests_and_blocks_new_ones_until_continue(engine):
     with ThreadPoolExecutor(2) as pool:
         running = pool.submit(post, engine, "/generate", {"text": "1", "sampling_params": ENDLESS})
-        wait_for(lambda: state(engine)["num_running_reqs"] == 1, "the request to run")
+        wait_until(running_one(engine), DEADLINE_S, "the request to run", 0.02)
         assert post(engine, "/pause_generation", {"mode": "abort"}).status_code == 200
         # pause(abort) returns only after the in-flight request has been answered
         assert state(engine)["in_flight"] == 0

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import socket
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from deploy.processes import free_port
 from trainer_client.megatron import (
     DenseTransformerConfig,
     MegatronLayoutError,
@@ -163,14 +163,8 @@ def _check_rank(rank: int, world: int, out: Path, dtype_name: str) -> None:
     out.write_text(json.dumps(report))
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_two_gloo_ranks_gather_sharded_layers_into_the_exact_hf_state_dict(tmp_path):
-    mp.spawn(_tp_rank, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_tp_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     for rank, dtype_name in ((r, d) for r in range(2) for d in DTYPES):
         report = json.loads((tmp_path / f"rank{rank}-{dtype_name}.json").read_text())
         assert report["local_vocab_rows"] == PADDED_VOCAB // 2
