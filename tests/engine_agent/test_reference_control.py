@@ -15,7 +15,9 @@ from engine_agent.reference.engine import weights_checksum
 from engine_agent.reference.weights import dequantized_tensors
 from tests.fixtures.reference_engine import ReferenceEngineProcess, start_reference_engine
 
-LONG = {"temperature": 0.0, "max_new_tokens": 300, "ignore_eos": True}
+# Long enough that the pause lands while it runs (the client sees the first token late on
+# a busy machine), short enough to run to the end.
+LONG = {"temperature": 0.0, "max_new_tokens": 1000, "ignore_eos": True}
 # Long enough (tens of seconds) that a loaded machine cannot finish it before the pause.
 ENDLESS = {"temperature": 0.0, "max_new_tokens": 20_000, "ignore_eos": True}
 DEADLINE_S = 30.0
@@ -97,7 +99,7 @@ def test_pause_in_place_holds_the_request_and_tokens_after_the_update_carry_the_
     spans = final["weight_versions"]
     assert [s["version"] for s in spans] == ["default", "v2"]
     assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] >= 1
-    assert spans[1]["end"] == final["completion_tokens"] == 300
+    assert spans[1]["end"] == final["completion_tokens"] == LONG["max_new_tokens"]
     assert final["weight_version"] == "v2"
     assert final["num_retractions"] == 0
     post(engine, "/update_weights_from_disk", {"model_path": str(tiny.bf16), "weight_version": "1"})
@@ -150,7 +152,7 @@ def test_update_without_pause_waits_for_running_requests_to_finish_on_old_weight
         assert update.json()["success"]
         meta = running.result(timeout=DEADLINE_S).json()["meta_info"]
     # every token came from the old weights: the writer waited for the request to finish
-    assert meta["completion_tokens"] == 300
+    assert meta["completion_tokens"] == LONG["max_new_tokens"]
     assert len(meta["weight_versions"]) == 1 and meta["weight_versions"][0]["version"] != "w5"
 
 
@@ -188,12 +190,12 @@ def test_pause_retract_reprefills_on_the_new_weights_and_counts_the_retraction(e
         final = last(chunks)["meta_info"]
     assert final["num_retractions"] == 1
     assert [s["version"] for s in final["weight_versions"]][-1] == "r6"
-    assert final["completion_tokens"] == 300
+    assert final["completion_tokens"] == LONG["max_new_tokens"]
     post(engine, "/update_weights_from_disk", {"model_path": str(tiny.bf16), "weight_version": "7"})
 
 
 def test_flush_cache_fails_while_requests_are_held_in_place(engine, tiny):
-    with streaming(engine, {"text": "3", "rid": "held", "sampling_params": LONG}):
+    with streaming(engine, {"text": "3", "rid": "held", "sampling_params": ENDLESS}):
         post(engine, "/pause_generation", {"mode": "in_place"})
         flushed = httpx.post(f"{engine.url}/flush_cache")
         assert flushed.status_code == 400 and flushed.text == "Flush cache failed.\n"
