@@ -10,19 +10,40 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-# torch first, pinned: the CPU wheel lies on local disk; an unpinned torch pulls CUDA.
+# torch first, pinned to its CPU build (an unpinned torch, or the plain pin from PyPI on
+# Linux, pulls CUDA): a wheel pip's configuration already finds without an index (a local
+# wheelhouse) wins; else PyTorch's CPU index when it answers (its "+cpu" build sorts above
+# PyPI's); else the plain pin, with a warning.
+TORCH := torch==2.13.0
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+# The policy scanner the manifest tests run, in its own environment: its pins clash with ours.
+CHECKOV := $(VENV)/checkov/bin/checkov
+
 $(STAMP): $(BIN)/python pyproject.toml
-	$(BIN)/pip install -q torch==2.13.0
+	@if $(BIN)/pip install -q --dry-run --no-deps --no-index $(TORCH) >/dev/null 2>&1; then \
+		echo "torch: the CPU wheel pip finds locally"; $(BIN)/pip install -q $(TORCH); \
+	elif $(BIN)/python -c "import urllib.request as u; u.urlopen('$(TORCH_CPU_INDEX)/torch/', timeout=10)" \
+			>/dev/null 2>&1; then \
+		echo "torch: PyTorch's CPU index"; \
+		$(BIN)/pip install -q $(TORCH) --extra-index-url $(TORCH_CPU_INDEX); \
+	else \
+		echo "warning: no local torch wheel and $(TORCH_CPU_INDEX) unreachable: plain $(TORCH)"; \
+		$(BIN)/pip install -q $(TORCH); \
+	fi
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-install: $(STAMP)
+$(CHECKOV): | $(BIN)/python
+	$(PY) -m venv $(VENV)/checkov
+	$(VENV)/checkov/bin/pip install -q checkov==3.3.30
+
+install: $(STAMP) $(CHECKOV)
 
 demo: $(STAMP)
 	$(BIN)/tether demo
 
 # bubblewrap isolates the local sandbox backend; install it when it is missing.
-test: $(STAMP)
+test: $(STAMP) $(CHECKOV)
 	@command -v bwrap >/dev/null || (apt-get update -qq && apt-get install -y -qq bubblewrap) \
 		|| echo "warning: could not install bubblewrap; sandbox isolation tests will fail"
 	$(BIN)/ruff check .

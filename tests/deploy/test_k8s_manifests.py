@@ -7,10 +7,15 @@ undefined variable fails here too.
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
+import kubernetes_validate
 import pytest
 import yaml
 
@@ -21,6 +26,11 @@ K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 POD_IP = "10.1.2.3"
 AGENT_PORT = 8800
 CONTROLPLANE_PORT = 8700
+
+
+REPO = K8S.parents[1]
+# `make install` puts checkov in its own environment: its pins clash with the project's.
+CHECKOV_TOOL = REPO / ".venv" / "checkov" / "bin" / "checkov"
 
 
 def load_documents() -> list[dict[str, Any]]:
@@ -206,3 +216,93 @@ def test_probed_routes_exist_on_the_real_control_plane_and_agent(tmp_path: Path)
         server_info=dict,
     )
     assert "/health" in {r.path for r in proxy.app().routes}
+
+
+@pytest.mark.parametrize(
+    "doc", [pytest.param(d, id=f"{d['kind']}/{d['metadata']['name']}") for d in DOCS]
+)
+def test_every_manifest_is_valid_for_the_kubernetes_api_schema(doc: dict[str, Any]) -> None:
+    # Offline: the package carries the API's OpenAPI schemas. strict refuses unknown fields,
+    # which is how a misspelt key (a probe that is never configured) would slip through.
+    kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
+
+
+def checkov_binary() -> str:
+    found = os.environ.get("TETHER_CHECKOV") or (
+        str(CHECKOV_TOOL) if CHECKOV_TOOL.exists() else shutil.which("checkov")
+    )
+    if not found:
+        pytest.skip("checkov is not installed: `make install` puts it in .venv/checkov")
+    return found
+
+
+def test_the_policy_scanner_finds_nothing_and_every_accepted_finding_says_why() -> None:
+    # --skip-download keeps checkov offline (no guideline or policy fetch).
+    flags = ["--framework", "kubernetes", "--skip-download", "-o", "json"]
+    scan = subprocess.run(
+        [checkov_binary(), "-d", str(K8S), *flags],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    report = json.loads(scan.stdout)
+    failed = [f"{c['check_id']} {c['resource']}" for c in report["results"]["failed_checks"]]
+    assert failed == [], f"checkov findings: {failed}"
+    assert report["summary"]["parsing_errors"] == 0
+    assert report["summary"]["passed"] > 100, "checkov checked the manifests"
+    for skipped in report["results"]["skipped_checks"]:
+        reason = skipped["check_result"].get("suppress_comment", "")
+        assert len(reason) > 20, f"{skipped['check_id']} skipped without a reason"
+
+
+def listen_address(c: dict[str, Any]) -> tuple[str, int]:
+    """The host and port the container's own command binds (its --host/--port flags)."""
+    args = command_line(c)
+    assert "--port" in args and "--host" in args, f"{c['name']}: no --host/--port to probe"
+    return args[args.index("--host") + 1], int(args[args.index("--port") + 1])
+
+
+def probe_target(c: dict[str, Any], probe: dict[str, Any]) -> tuple[str, int]:
+    """The host and port a kubelet probe dials: the pod IP for httpGet/tcpSocket, whatever
+    URL an exec probe opens from inside the container."""
+    if "exec" in probe:
+        joined = " ".join(probe["exec"]["command"])
+        match = re.search(r"http://([\w.]+):(\d+)/", joined)
+        assert match, f"{c['name']}: exec probe opens no URL: {joined}"
+        return match.group(1), int(match.group(2))
+    action = probe.get("httpGet") or probe["tcpSocket"]
+    port = action["port"]
+    if isinstance(port, str):
+        port = next(p["containerPort"] for p in c["ports"] if p["name"] == port)
+    return action.get("host", POD_IP), port
+
+
+def probed_containers() -> list[Any]:
+    return [
+        pytest.param(c, kind, id=f"{name}/{c['name']}/{kind}")
+        for name, spec in pod_specs()
+        for c in containers(spec)
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe")
+        if kind in c
+    ]
+
+
+@pytest.mark.parametrize(("spec", "kind"), probed_containers())
+def test_every_probe_dials_the_address_its_container_listens_on(
+    spec: dict[str, Any], kind: str
+) -> None:
+    host, port = listen_address(spec)
+    probe_host, probe_port = probe_target(spec, spec[kind])
+    assert probe_port == port, f"{kind} dials port {probe_port}, the command binds {port}"
+    reachable = {"0.0.0.0": {POD_IP, "127.0.0.1"}, "127.0.0.1": {"127.0.0.1"}}[host]
+    assert probe_host in reachable, f"{kind} dials {probe_host}, the command binds {host}"
+
+
+def test_the_probe_check_refuses_an_http_probe_on_a_loopback_engine() -> None:
+    # The defect that shipped: SGLang bound 127.0.0.1 while the kubelet dialled the pod IP.
+    sglang = container(engine_pools()[0][1], "sglang")
+    broken = {"httpGet": {"path": "/health", "port": listen_address(sglang)[1]}}
+    with pytest.raises(AssertionError, match=re.escape(f"dials {POD_IP}")):
+        test_every_probe_dials_the_address_its_container_listens_on(
+            {**sglang, "livenessProbe": broken}, "livenessProbe"
+        )
