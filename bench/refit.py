@@ -75,13 +75,13 @@ def run(
     from rich.console import Console
     from rich.table import Table
 
-    from deploy.processes import TETHER, ProcessGroup, free_port
     from engine_agent.precision.checkpoint import (
         copy_side_files,
         read_tensors,
         write_safetensors_folder,
     )
-    from engine_agent.tiny_model import TinyModelSpec, init_tiny_model
+    from launcher.processes import TETHER, ProcessGroup, free_port
+    from reference_engine.tiny_model import TinyModelSpec, init_tiny_model
     from store.codecs import encode_version
     from store.store import Store
     from store.torch_bridge import raw_to_state_dict, state_dict_to_raw

@@ -28,7 +28,7 @@ from typing import Any
 
 import typer
 
-from deploy.processes import TETHER, ProcessFailed, ProcessGroup, free_port
+from launcher.processes import TETHER, ProcessFailed, ProcessGroup, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 ADMIN = "tth_bench-admin-token-not-secret"
@@ -235,9 +235,9 @@ def _start_rust_router(procs: ProcessGroup, engines: list[str]) -> tuple[str | N
 def _decision_time(engines: int) -> float:
     """Mean microseconds per routing decision over `engines` ready engines, in process."""
     from controlplane.router import pick
-    from controlplane.schema import Precision, SyncState, TargetPolicy
     from controlplane.snapshot import EngineView, FleetSnapshot, RunView
     from store.types import VersionConstraint
+    from wire import Precision, SyncState, TargetPolicy
 
     now = time.time()
     views = [

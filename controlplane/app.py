@@ -34,7 +34,9 @@ from controlplane.proxy import Proxy, not_ready, open_client, resolve_run, valid
 from controlplane.registry import Registry
 from controlplane.router import pick
 from controlplane.runs import Runs
-from controlplane.schema import (
+from controlplane.settings import ControlPlaneSettings
+from store.types import VersionConstraint
+from wire import (
     MAX_INT,
     EngineInfo,
     EngineList,
@@ -58,8 +60,6 @@ from controlplane.schema import (
     VersionNotify,
     WeightVersionSpec,
 )
-from controlplane.settings import ControlPlaneSettings
-from store.types import VersionConstraint
 
 ANY_ROLE = frozenset(Role)
 TRAINER = frozenset({Role.TRAINER})

@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from controlplane.errors import Forbidden, Unauthorized
 from controlplane.models import Token
-from controlplane.schema import Role
+from wire import Role
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from controlplane.errors import EngineUnknown
 from controlplane.fleet import Fleet
 from controlplane.registry import Registry
 from controlplane.runs import Runs
-from controlplane.schema import Heartbeat
+from wire import Heartbeat
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from controlplane.errors import ApiError, InternalError, InvalidRequest, error_response, field_path
-from controlplane.schema import Heartbeat, Role
+from wire import Heartbeat, Role
 
 if TYPE_CHECKING:
     from controlplane.app import ControlPlane

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from controlplane.schema import PolicyKind, TargetPolicy
+from wire import PolicyKind, TargetPolicy
 
 
 @dataclass(frozen=True)

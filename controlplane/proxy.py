@@ -24,7 +24,10 @@ from controlplane.errors import InvalidRequest, NoEngineAvailable, WeightVersion
 from controlplane.fleet import Fleet
 from controlplane.metrics import Metrics
 from controlplane.router import pick, retry_after_s
-from controlplane.schema import (
+from controlplane.snapshot import EngineView, FleetSnapshot
+from controlplane.upstream import Answer, Upstream, UpstreamError
+from store.types import VersionConstraint
+from wire import (
     ENGINE_ID_HEADER,
     MAX_INT,
     RUN_HEADER,
@@ -34,9 +37,6 @@ from controlplane.schema import (
     RoutingFields,
     WeightVersionSpec,
 )
-from controlplane.snapshot import EngineView, FleetSnapshot
-from controlplane.upstream import Answer, Upstream, UpstreamError
-from store.types import VersionConstraint
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from controlplane.errors import EngineUnknown, RunUnknown
 from controlplane.models import Engine, Pin, Run
-from controlplane.schema import EngineRegister, Heartbeat, Precision, SyncState
 from controlplane.snapshot import EngineView
+from wire import EngineRegister, Heartbeat, Precision, SyncState
 
 _ENGINES = Engine.__table__
 # A new staging target restarts the clock the Retry-After estimate is based on.

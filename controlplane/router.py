@@ -14,9 +14,9 @@ from collections.abc import Collection, Mapping
 import numpy as np
 import xxhash
 
-from controlplane.schema import Precision
 from controlplane.snapshot import EngineView, FleetSnapshot
 from store.types import VersionConstraint
+from wire import Precision
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)

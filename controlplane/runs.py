@@ -15,9 +15,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from controlplane.errors import RunExists, RunUnknown
 from controlplane.models import Run, Version
-from controlplane.schema import RunCreate, RunInfo, TargetPolicy, VersionInfo
 from controlplane.snapshot import RunView
 from store.types import VersionKind
+from wire import RunCreate, RunInfo, TargetPolicy, VersionInfo
 
 
 def run_info(run: Run) -> RunInfo:

@@ -17,8 +17,8 @@ import numpy as np
 import xxhash
 
 from controlplane.policy import PolicyEngine, assign_targets
-from controlplane.schema import SERVING_STATES, Precision, SyncState, TargetPolicy
 from store.types import VersionConstraint
+from wire import SERVING_STATES, Precision, SyncState, TargetPolicy
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,6 @@
-"""The composition root: the `tether` CLI, the local launcher, deployment recipes.
+"""Recipes that place Tether on infrastructure: the Modal app, one replica's command lines,
+fleet plans (TOML), Kubernetes manifests and the GPU check.
 
-Imports every other package; no package imports it.
+Imports the packages it deploys; no package imports it except the `tether` CLI (`cli/`),
+which exposes `tether deploy`.
 """

@@ -117,7 +117,7 @@ def engine_flags(precision: str, cuda_graph: bool) -> tuple[str, ...]:
 
 
 def replica_spec(work: Path, precision: str, cuda_graph: bool, store_url: str) -> ReplicaSpec:
-    from deploy.processes import free_port
+    from launcher.processes import free_port
 
     return ReplicaSpec(
         precision=precision,
@@ -182,7 +182,7 @@ def gpu_present() -> Check:
 
 def write_models(work: Path, kind: str) -> Check:
     from engine_agent.precision import convert_checkpoint
-    from engine_agent.tiny_model import TinyModelSpec, init_tiny_model
+    from reference_engine.tiny_model import TinyModelSpec, init_tiny_model
 
     # A CPU rehearsal keeps init-tiny's default shape (still FP8-block aligned).
     shape = {**MODEL_SHAPE, "intermediate": INTERMEDIATE} if kind == "sglang" else {}
@@ -218,7 +218,7 @@ def engine_argv(
     model = model or spec.boot_dir
     if kind == "reference":
         return [
-            sys.executable, "-m", "deploy", "engine", "reference", "--model", model,
+            sys.executable, "-m", "cli", "engine", "reference", "--model", model,
             "--host", "127.0.0.1", "--port", str(spec.sglang_port),
             "--precision", spec.precision, "--weight-version", str(version),
         ]  # fmt: skip
@@ -238,7 +238,7 @@ def start_engine(group: Any, engine: Engine, kind: str) -> None:
 
 
 def start_agent(group: Any, engine: Engine) -> None:
-    argv = [sys.executable, "-m", "deploy", *agent_argv(engine.spec)[1:]]
+    argv = [sys.executable, "-m", "cli", *agent_argv(engine.spec)[1:]]
     engine.agent = group.start(f"agent-{engine.precision}", argv, url=engine.agent_url)
     engine.agent.wait_http("/health", ENGINE_START_S)
 
@@ -308,7 +308,7 @@ def _as_int(value: Any) -> int | None:
 def wait_for(predicate: Any, timeout_s: float) -> bool:
     """Poll `predicate` until it holds or `timeout_s` passes; the checks that follow judge
     what happened, so running out of time is not an error here."""
-    from deploy.processes import DeadlineExceeded, wait_until
+    from launcher.processes import DeadlineExceeded, wait_until
 
     try:
         return bool(wait_until(predicate, timeout_s, "a condition of the check", 0.1))
@@ -428,7 +428,7 @@ def compare_outputs(precision: str, served: list[list[int]], direct: list[list[i
 
 
 def run_check(work: Path, sglang_spec: str, cuda_graph: bool, kind: str = "sglang") -> Report:
-    from deploy.processes import ProcessFailed, ProcessGroup
+    from launcher.processes import ProcessFailed, ProcessGroup
     from trainer_client.publisher import Publisher, load_hf_folder
 
     report = Report()

@@ -20,8 +20,8 @@ on loopback, opens a Modal tunnel to the agent's port (every replica needs its o
 the control plane routes to one engine, not to a load balancer) and starts the agent with
 that URL as its advertised address. SIGTERM reaches the agent first, so it deregisters.
 
-Must never be imported by another package (ARCHITECTURE §1: `deploy/` is the composition
-root), and must never import `modal` at module level: only `build_app`, `run_migration`
+Must never be imported by a package other than the CLI (`tether deploy`; ARCHITECTURE §1),
+and must never import `modal` at module level: only `build_app`, `run_migration`
 and the container hooks do.
 """
 
@@ -91,6 +91,11 @@ TETHER_PACKAGES = (
     "trainer_client",
     "sandboxes",
     "deploy",
+    "cli",
+    "demo",
+    "launcher",
+    "reference_engine",
+    "wire",
     "bench",
 )
 # The images get the source folders (in /root), not an installed wheel, so `tether` is a
@@ -98,7 +103,7 @@ TETHER_PACKAGES = (
 # packages whatever the image's working directory is (SGLang's is /sgl-workspace/sglang).
 TETHER_SHIM = (
     "printf '#!/bin/sh\\nexport PYTHONPATH=/root${PYTHONPATH:+:$PYTHONPATH}\\n"
-    'exec python3 -m deploy "$@"\\n\' > /usr/local/bin/tether'
+    'exec python3 -m cli "$@"\\n\' > /usr/local/bin/tether'
     " && chmod +x /usr/local/bin/tether"
 )
 # Seconds for one call of a replica's `server_info` method (its inputs, not its start).
@@ -435,7 +440,7 @@ def replica_start(self: Any) -> None:
     """Container start: convert, SGLang, tunnel, agent; then watch both children."""
     import modal
 
-    from deploy.processes import ProcessFailed, ProcessGroup, log_tail
+    from launcher.processes import ProcessFailed, ProcessGroup, log_tail
 
     assert _PLAN is not None, "the Modal app was built without a plan"
     pool = _PLAN.pool(self.pool_name)

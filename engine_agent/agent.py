@@ -28,7 +28,6 @@ from typing import Any
 
 import uvicorn
 
-from controlplane.schema import EngineRegister
 from engine_agent.control_client import ControlClient
 from engine_agent.engines.base import Engine
 from engine_agent.engines.sglang import SGLangEngine
@@ -46,6 +45,7 @@ from engine_agent.settings import AgentSettings
 from engine_agent.staging import Stager
 from engine_agent.status import AgentStatus
 from store.store import Store
+from wire import EngineRegister
 
 log = logging.getLogger(__name__)
 

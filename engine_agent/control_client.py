@@ -1,7 +1,7 @@
 """`ControlClient`: the agent's side of the control plane's engine API.
 
 Owns the four calls an engine makes (register, heartbeat, target long-poll, deregister) with
-the wire models of `controlplane.schema`, and their failure mapping: 404 on an engine route
+the wire models of `wire`, and their failure mapping: 404 on an engine route
 → `EngineNotRegistered` (register again), anything else unexpected →
 `ControlPlaneUnavailable`. Must never import the control plane's server modules.
 """
@@ -14,14 +14,14 @@ from typing import Any, TypeVar
 import httpx
 from pydantic import BaseModel
 
-from controlplane.schema import (
+from engine_agent.errors import ControlPlaneUnavailable, EngineNotRegistered
+from wire import (
     EngineRegister,
     EngineRegistered,
     Heartbeat,
     HeartbeatReply,
     TargetReply,
 )
-from engine_agent.errors import ControlPlaneUnavailable, EngineNotRegistered
 
 log = logging.getLogger(__name__)
 

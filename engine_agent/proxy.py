@@ -32,7 +32,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from controlplane.schema import (
+from engine_agent.gate import Admission, AdmissionGate, VersionNotReady
+from engine_agent.status import AgentStatus
+from store.types import VersionConstraint
+from wire import (
     VERSION_END_HEADER,
     VERSION_START_HEADER,
     ErrorBody,
@@ -41,9 +44,6 @@ from controlplane.schema import (
     RoutingFields,
     WeightVersionNotReadyDetail,
 )
-from engine_agent.gate import Admission, AdmissionGate, VersionNotReady
-from engine_agent.status import AgentStatus
-from store.types import VersionConstraint
 
 log = logging.getLogger(__name__)
 

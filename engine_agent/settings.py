@@ -12,8 +12,8 @@ from pathlib import Path
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from controlplane.schema import Precision
 from engine_agent.engines.base import PauseMode
+from wire import Precision
 
 
 class AgentSettings(BaseSettings):

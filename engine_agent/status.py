@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from controlplane.schema import Heartbeat, SyncState
+from wire import Heartbeat, SyncState
 
 
 @dataclass

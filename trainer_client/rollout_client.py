@@ -21,7 +21,6 @@ from typing import Any
 
 import httpx
 
-from controlplane.schema import SESSION_HEADER
 from store.types import VersionConstraint, validate_run_id, validate_version
 from trainer_client.notifier import auth_headers, error_text
 from trainer_client.rollout_result import (
@@ -31,6 +30,7 @@ from trainer_client.rollout_result import (
     parse_chat,
     parse_generate,
 )
+from wire import SESSION_HEADER
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from controlplane.schema import ENGINE_ID_HEADER, VERSION_END_HEADER, VERSION_START_HEADER
 from store.types import VersionConstraint
+from wire import ENGINE_ID_HEADER, VERSION_END_HEADER, VERSION_START_HEADER
 
 
 class MalformedRollout(ValueError):

@@ -28,7 +28,7 @@ def test_codec_bench_prints_its_figures_as_the_last_json_line():
 
 def test_tether_bench_codec_has_help():
     done = subprocess.run(
-        [sys.executable, "-m", "deploy", "bench", "codec", "--help"],
+        [sys.executable, "-m", "cli", "bench", "codec", "--help"],
         cwd=ROOT,
         capture_output=True,
         text=True,

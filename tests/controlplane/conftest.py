@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from deploy.processes import ManagedProcess, ProcessFailed, free_port, start_process, wait_until
+from launcher.processes import ManagedProcess, ProcessFailed, free_port, start_process, wait_until
 from tests.fixtures.postgres import fresh_database, postgres_url  # noqa: F401
 
 ADMIN = "tth_test-admin-token-0123456789abcdef"

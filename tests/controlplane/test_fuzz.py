@@ -9,7 +9,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck
 
-from deploy.processes import ManagedProcess
+from launcher.processes import ManagedProcess
 from tests.controlplane.conftest import ADMIN, publish, start_controlplane
 
 EXAMPLES_PER_OPERATION = 12

@@ -11,7 +11,7 @@ import pytest
 from controlplane.db import migrate, open_engine, session_factory
 from controlplane.registry import Registry
 from controlplane.runs import Runs
-from controlplane.schema import EngineRegister, Heartbeat, RunCreate, SyncState
+from wire import EngineRegister, Heartbeat, RunCreate, SyncState
 
 
 @pytest.fixture

@@ -11,8 +11,8 @@ from pydantic import ValidationError
 
 from controlplane.errors import InvalidRequest
 from controlplane.proxy import parse_routing, plain_constraint
-from controlplane.schema import MAX_INT, RoutingFields
 from store.types import VersionConstraint
+from wire import MAX_INT, RoutingFields
 
 values = st.one_of(
     st.none(),

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from deploy.processes import ManagedProcess, wait_until
+from launcher.processes import ManagedProcess, wait_until
 from tests.controlplane.conftest import (
     ADMIN,
     publish,

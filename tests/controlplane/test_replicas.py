@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from deploy.processes import TETHER, ProcessGroup, free_port, wait_until
+from launcher.processes import TETHER, ProcessGroup, free_port, wait_until
 from tests.controlplane.conftest import ADMIN, publish
 from tests.fixtures.postgres import fresh_database
 

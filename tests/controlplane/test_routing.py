@@ -7,11 +7,11 @@ import time
 
 from controlplane.policy import PolicyEngine, assign_targets
 from controlplane.router import pick
-from controlplane.schema import PolicyKind, Precision, SyncState, TargetPolicy
 from controlplane.snapshot import EngineView, FleetSnapshot, RunView
-from deploy.processes import wait_until
+from launcher.processes import wait_until
 from store.types import VersionConstraint
 from tests.controlplane.conftest import Api
+from wire import PolicyKind, Precision, SyncState, TargetPolicy
 
 
 def _engine(engine_id: str, version: int | None, **kw: object) -> EngineView:

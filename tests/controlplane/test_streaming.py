@@ -7,7 +7,7 @@ from pathlib import Path
 
 import httpx
 
-from deploy.processes import ManagedProcess, wait_until
+from launcher.processes import ManagedProcess, wait_until
 from tests.controlplane.conftest import ADMIN, publish, start_controlplane, start_standin
 
 ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN}"}

@@ -22,7 +22,7 @@ from controlplane.upstream import (
     UpstreamError,
     UpstreamTimeout,
 )
-from deploy.processes import ManagedProcess
+from launcher.processes import ManagedProcess
 from tests.controlplane.conftest import start_standin
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from deploy import gpu_check
 from deploy.replica import agent_argv
-from tests.deploy.real_cli import parse_tether
+from tests.fixtures.real_cli import parse_tether
 
 
 def test_help_describes_the_check_without_touching_a_gpu() -> None:

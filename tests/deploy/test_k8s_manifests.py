@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from deploy.fleet import DEFAULT_SGLANG_FLAGS
-from tests.deploy.real_cli import parse_tether
+from tests.fixtures.real_cli import parse_tether
 
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 POD_IP = "10.1.2.3"
@@ -198,11 +198,11 @@ def test_control_plane_probes_and_secrets() -> None:
 
 def test_probed_routes_exist_on_the_real_control_plane_and_agent(tmp_path: Path) -> None:
     from controlplane.app import create_app
-    from controlplane.schema import Precision
     from controlplane.settings import ControlPlaneSettings
     from engine_agent.gate import AdmissionGate
     from engine_agent.proxy import VersionedProxy
     from engine_agent.status import AgentStatus
+    from wire import Precision
 
     settings = ControlPlaneSettings(db_url=f"sqlite:///{tmp_path}/cp.db", store=str(tmp_path))
     cp_routes = {r.path for r in create_app(settings).routes}

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from deploy.cli import app as tether_app
+from cli import app as tether_app
 from deploy.fleet import DEFAULT_SGLANG_FLAGS, load_fleet, parse_fleet
 from deploy.modal_app import (
     CONTROL_PLANE_SLOT,
@@ -27,7 +27,7 @@ from deploy.modal_app import (
     build_app,
     build_plan,
 )
-from tests.deploy.real_cli import parse_tether
+from tests.fixtures.real_cli import parse_tether
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "deploy" / "fleet.example.toml"
 CP_URL = "https://me--tether-controlplane.modal.run"
@@ -82,7 +82,7 @@ def test_control_plane_command_starts_without_the_engine_only_packages() -> None
         "for name in ('torch', 'transformers', 'safetensors', 'tokenizers'):\n"
         "    sys.modules[name] = None\n"
         "from typer.testing import CliRunner\n"
-        "from deploy.cli import app\n"
+        "from cli import app\n"
         "result = CliRunner().invoke(app, ['controlplane', 'serve', '--help'])\n"
         "sys.exit(result.exit_code)\n"
     )
@@ -378,7 +378,7 @@ def test_tether_shim_puts_the_image_packages_on_the_path(tmp_path: Path) -> None
         timeout=30,
         check=True,
     )
-    assert done.stdout.strip() == "/root:/opt/x|-m deploy agent run --port 8800"
+    assert done.stdout.strip() == "/root:/opt/x|-m cli agent run --port 8800"
 
 
 def test_only_gpu_strings_modal_documents_pass_the_check() -> None:

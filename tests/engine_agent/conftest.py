@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import pytest
 
 from bench.refit import training_step
-from deploy.processes import ProcessGroup
+from launcher.processes import ProcessGroup
 from store.tensors import RawTensor
 from tests.fixtures.processes import (
     TETHER,
@@ -20,29 +18,6 @@ from tests.fixtures.processes import (
     wait_ready,
     wait_until,
 )
-from tests.fixtures.reference_engine import (
-    ReferenceEngineProcess,
-    TinyCheckpoints,
-    make_tiny_checkpoints,
-    start_reference_engine,
-)
-
-
-@pytest.fixture(scope="session")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyCheckpoints:
-    """The tiny model in BF16 (seed 0 and seed 1), FP8 and NVFP4."""
-    return make_tiny_checkpoints(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture(scope="session")
-def bf16_engine(
-    tiny: TinyCheckpoints, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ReferenceEngineProcess]:
-    """A BF16 reference engine that tests must leave unpaused and on its boot weights."""
-    engine = start_reference_engine(tiny.bf16, tmp_path_factory.mktemp("logs") / "bf16.log")
-    yield engine
-    engine.stop()
-
 
 # ---------------------------------------------------------------- engine agents
 # Published versions of the tiny model, a control plane process and agent processes.
@@ -153,7 +128,7 @@ class ControlPlaneProcess:
 def start_controlplane(root: Path) -> ControlPlaneProcess:
     """`tether controlplane serve` on SQLite, as the demo starts it, with short leases and
     no token cache, and a token per role."""
-    from deploy.demo.fleet import start_controlplane as start_demo_controlplane
+    from demo.fleet import start_controlplane as start_demo_controlplane
 
     env = {"TETHER_LEASE_SECONDS": "5", "TETHER_TOKEN_CACHE_S": "0"}
     cp = start_demo_controlplane(

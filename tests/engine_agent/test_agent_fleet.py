@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine_agent.reference.engine import weights_checksum
+from reference_engine.engine import weights_checksum
 from tests.engine_agent.conftest import (
     ControlPlaneProcess,
     VersionChain,

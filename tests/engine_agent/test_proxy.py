@@ -12,7 +12,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from controlplane.schema import Precision
 from engine_agent.gate import AdmissionGate
 from engine_agent.proxy import CONTROL_PATHS, VersionedProxy, prepare_body, stamp
 from engine_agent.status import AgentStatus
@@ -31,6 +30,7 @@ from tests.fixtures.reference_engine import (
     launch_reference_engine,
     wait_until_ready,
 )
+from wire import Precision
 
 RUN = "proxy-run"
 SHORT = {"max_new_tokens": 3, "temperature": 0.0}

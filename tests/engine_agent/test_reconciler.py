@@ -24,7 +24,7 @@ RUN = "refused-run"
 def test_a_commit_the_engine_refuses_is_terminal_and_deregisters(
     tiny: TinyCheckpoints, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    from engine_agent.tiny_model import TinyModelSpec, init_tiny_model
+    from reference_engine.tiny_model import TinyModelSpec, init_tiny_model
 
     root: Path = tmp_path_factory.mktemp("refused")
     # The run publishes a model of another shape than the one the engine serves.

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from sandboxes.example import ExampleTask
 
-TETHER = [sys.executable, "-m", "deploy"]
+TETHER = [sys.executable, "-m", "cli"]
 
 
 def tether(*args: str) -> subprocess.CompletedProcess[str]:

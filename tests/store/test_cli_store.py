@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from deploy.cli.store import app
+from cli.store import app
 from store.store import Store
 from store.types import VersionRef
 from tests.store.chain import publish_chain

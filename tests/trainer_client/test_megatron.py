@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from deploy.processes import free_port
+from launcher.processes import free_port
 from trainer_client.megatron import (
     DenseTransformerConfig,
     MegatronLayoutError,

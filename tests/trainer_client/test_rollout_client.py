@@ -13,8 +13,8 @@ import httpx
 import pytest
 import torch
 
-from deploy.demo.fleet import ControlPlane, start_controlplane
-from deploy.processes import ManagedProcess, ProcessGroup, free_port
+from demo.fleet import ControlPlane, start_controlplane
+from launcher.processes import ManagedProcess, ProcessGroup, free_port
 from store.types import VersionConstraint
 from trainer_client.publisher import Publisher
 from trainer_client.rollout_client import (
@@ -169,8 +169,8 @@ def test_retry_after_is_read_in_seconds_and_backoff_is_jittered_below_its_cap() 
 def test_sglang_answers_parse_into_tokens_logprobs_top_k_and_version_spans() -> None:
     import torch as t
 
-    from engine_agent.reference.request import GenerationRequest
-    from engine_agent.reference.sampling import SamplingParams
+    from reference_engine.request import GenerationRequest
+    from reference_engine.sampling import SamplingParams
 
     request = GenerationRequest(
         rid="r1",

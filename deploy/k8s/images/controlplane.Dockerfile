@@ -8,6 +8,11 @@ COPY controlplane ./controlplane
 COPY engine_agent ./engine_agent
 COPY trainer_client ./trainer_client
 COPY sandboxes ./sandboxes
+COPY wire ./wire
+COPY reference_engine ./reference_engine
+COPY launcher ./launcher
+COPY demo ./demo
+COPY cli ./cli
 COPY deploy ./deploy
 COPY bench ./bench
 RUN pip install --no-cache-dir '.[controlplane,s3]'

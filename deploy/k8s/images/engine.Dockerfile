@@ -10,6 +10,11 @@ COPY controlplane ./controlplane
 COPY engine_agent ./engine_agent
 COPY trainer_client ./trainer_client
 COPY sandboxes ./sandboxes
+COPY wire ./wire
+COPY reference_engine ./reference_engine
+COPY launcher ./launcher
+COPY demo ./demo
+COPY cli ./cli
 COPY deploy ./deploy
 COPY bench ./bench
 # --no-deps for the heavy packages SGLang already pins (torch, transformers); the rest of

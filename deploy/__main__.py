@@ -1,3 +1,0 @@
-from deploy.cli import main
-
-main()

@@ -1,0 +1,102 @@
+"""The wire contract between the control plane, the engine agent and the trainer's clients.
+
+Every request and response body as a pydantic model, and the header names, one module per
+concept (`engines`, `runs`, `tokens`, `routing`, `errors`, `headers`, `health`). Both sides
+import this package; it imports pydantic and the store vocabulary only, never FastAPI,
+SQLAlchemy or another Tether package, so clients stay light and never depend on the server.
+Tether's own bodies reject unknown fields.
+"""
+
+from __future__ import annotations
+
+from wire.body import (
+    MAX_INT,
+    TetherModel,
+    Version,
+)
+from wire.engines import (
+    SERVING_STATES,
+    EngineInfo,
+    EngineList,
+    EngineRegister,
+    EngineRegistered,
+    Heartbeat,
+    HeartbeatReply,
+    Precision,
+    SyncState,
+    TargetReply,
+)
+from wire.errors import (
+    ErrorBody,
+    ErrorDetail,
+    WeightVersionNotReadyDetail,
+)
+from wire.headers import (
+    ENGINE_ID_HEADER,
+    RUN_HEADER,
+    SESSION_HEADER,
+    VERSION_END_HEADER,
+    VERSION_START_HEADER,
+)
+from wire.health import (
+    Health,
+)
+from wire.routing import (
+    RouteAnswer,
+    RoutingFields,
+    WeightVersionSpec,
+)
+from wire.runs import (
+    PolicyKind,
+    RunCreate,
+    RunInfo,
+    RunList,
+    TargetPolicy,
+    VersionInfo,
+    VersionList,
+    VersionNotify,
+)
+from wire.tokens import (
+    Role,
+    TokenCreate,
+    TokenCreated,
+)
+
+__all__ = [
+    "ENGINE_ID_HEADER",
+    "MAX_INT",
+    "RUN_HEADER",
+    "SERVING_STATES",
+    "SESSION_HEADER",
+    "VERSION_END_HEADER",
+    "VERSION_START_HEADER",
+    "EngineInfo",
+    "EngineList",
+    "EngineRegister",
+    "EngineRegistered",
+    "ErrorBody",
+    "ErrorDetail",
+    "Health",
+    "Heartbeat",
+    "HeartbeatReply",
+    "PolicyKind",
+    "Precision",
+    "Role",
+    "RouteAnswer",
+    "RoutingFields",
+    "RunCreate",
+    "RunInfo",
+    "RunList",
+    "SyncState",
+    "TargetPolicy",
+    "TargetReply",
+    "TetherModel",
+    "TokenCreate",
+    "TokenCreated",
+    "Version",
+    "VersionInfo",
+    "VersionList",
+    "VersionNotify",
+    "WeightVersionNotReadyDetail",
+    "WeightVersionSpec",
+]

@@ -1,0 +1,97 @@
+"""Engines on the wire: the precision an engine serves, its sync state, registration,
+heartbeats, the target long-poll and the fleet listing.
+
+Imports pydantic only; the lease and routing rules that read these bodies live in the
+control plane.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import Field, StrictInt
+
+from wire.body import MAX_INT, TetherModel, Version
+
+
+class Precision(StrEnum):
+    """The weight format an engine serves."""
+
+    BF16 = "bf16"
+    FP8 = "fp8"
+    NVFP4 = "nvfp4"
+
+
+class SyncState(StrEnum):
+    """What an engine is doing. `syncing` means staging a new version while still serving
+    `applied_version`; `ready` and `syncing` engines take traffic, the others do not."""
+
+    BOOTING = "booting"
+    SYNCING = "syncing"
+    READY = "ready"
+    ERROR = "error"
+    DRAINING = "draining"
+
+
+SERVING_STATES = frozenset({SyncState.READY, SyncState.SYNCING})
+
+
+class EngineRegister(TetherModel):
+    url: str = Field(min_length=1, max_length=2000, pattern=r"^https?://")
+    run_id: str = Field(min_length=1, max_length=128)
+    precision: Precision
+    accelerator: str = Field(default="cpu", max_length=100)
+    capacity: StrictInt = Field(default=1, ge=1, le=1_000_000)
+    labels: dict[str, str] = Field(default_factory=dict)
+    applied_version: Version | None = Field(default=None, ge=0, le=MAX_INT)
+    sync_state: SyncState = SyncState.BOOTING
+
+
+class EngineRegistered(TetherModel):
+    engine_id: str
+    lease_seconds: float
+    heartbeat_interval_s: float
+    target_version: int | None
+
+
+class Heartbeat(TetherModel):
+    applied_version: Version | None = Field(default=None, ge=0, le=MAX_INT)
+    sync_state: SyncState
+    staging_target: Version | None = Field(default=None, ge=0, le=MAX_INT)
+    staging_progress: float = Field(default=0.0, ge=0.0, le=1.0)
+    in_flight: StrictInt = Field(default=0, ge=0, le=MAX_INT)
+    last_error: str | None = Field(default=None, max_length=4000)
+
+
+class HeartbeatReply(TetherModel):
+    target_version: int | None
+    lease_expires_at: float
+
+
+class TargetReply(TetherModel):
+    """Answer of the engine's target long-poll; `changed` is false on timeout."""
+
+    target_version: int | None
+    changed: bool
+
+
+class EngineInfo(TetherModel):
+    engine_id: str
+    url: str
+    run_id: str
+    precision: Precision
+    accelerator: str
+    capacity: int
+    labels: dict[str, str]
+    applied_version: int | None
+    sync_state: SyncState
+    staging_target: int | None
+    staging_progress: float
+    in_flight: int
+    last_error: str | None
+    lease_expires_at: float
+    target_version: int | None
+
+
+class EngineList(TetherModel):
+    engines: list[EngineInfo]

@@ -1,0 +1,61 @@
+"""The Tether fields of a rollout request: the version it accepts, the precisions, the
+session, and the direct-mode answer (`GET /v1/route`).
+
+Generate bodies belong to SGLang/OpenAI, so only their Tether fields are described here;
+every other field passes through untouched. Imports pydantic and the store vocabulary.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from store.types import VersionConstraint
+from wire.body import MAX_INT, TetherModel, Version
+from wire.engines import Precision
+
+
+class WeightVersionSpec(TetherModel):
+    """The version a rollout request accepts (Stitch's shape): at least `min_version`,
+    exactly `exact_version`, or any version when both are null."""
+
+    min_version: Version | None = Field(default=None, ge=0, le=MAX_INT)
+    exact_version: Version | None = Field(default=None, ge=0, le=MAX_INT)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> WeightVersionSpec:
+        self.constraint()  # the store's rule; its InvalidVersion is a ValueError
+        return self
+
+    def constraint(self) -> VersionConstraint:
+        return VersionConstraint(self.min_version, self.exact_version)
+
+
+class RoutingFields(BaseModel):
+    """The Tether fields of a generate body (`/v1/generate`, `/v1/completions`,
+    `/v1/chat/completions`). Every other field is the engine's and passes through."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    weight_version: WeightVersionSpec | None = None
+    precision: Precision | list[Precision] | None = None
+    # Forwarded to the engine as a header, so printable ASCII only.
+    session_id: str | None = Field(default=None, max_length=512, pattern=r"^[ -~]*$")
+    run_id: str | None = Field(default=None, max_length=128)
+    stream: bool = False
+
+    def precisions(self) -> frozenset[Precision] | None:
+        if self.precision is None:
+            return None
+        if isinstance(self.precision, list):
+            return frozenset(self.precision)
+        return frozenset({self.precision})
+
+
+class RouteAnswer(TetherModel):
+    """`GET /v1/route`: which engine a direct client should call, and what it serves."""
+
+    engine_id: str
+    url: str
+    precision: Precision
+    applied_version: int
+    run_id: str
