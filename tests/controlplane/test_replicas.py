@@ -96,7 +96,6 @@ def test_runs_and_engines_registered_on_one_replica_are_routable_through_another
 ) -> None:
     assert pair.a.call("POST", "/v1/runs", json={"run_id": "shared-fleet"}).status_code == 201
     pair.notify(pair.a, "shared-fleet", 1)
-    registered_at = time.monotonic()
     engines = {p: pair.register(pair.a, "shared-fleet", 1, p)["engine_id"] for p in ("bf16", "fp8")}
 
     def routed_by_b() -> dict[str, str] | None:
@@ -111,9 +110,9 @@ def test_runs_and_engines_registered_on_one_replica_are_routable_through_another
             found[precision] = reply.json()["engine_id"]
         return found
 
+    # The deadline is the bound: wait_until fails the test once it passes.
     routed = wait_until(routed_by_b, ROUTABLE_WITHIN_S, "replica B to route to A's engines")
     assert routed == engines
-    assert time.monotonic() - registered_at <= ROUTABLE_WITHIN_S + 0.5
     assert pair.b.call("GET", "/v1/runs/shared-fleet").json()["latest_version"] == 1
 
 
