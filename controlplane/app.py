@@ -12,7 +12,6 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Depends, FastAPI, Query, Request
@@ -22,18 +21,22 @@ from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
 from controlplane import db as dbmod
-from controlplane.auth import TokenChecker, ensure_admin_token, mint_token
+from controlplane.auth import (
+    ADMIN,
+    ANY_ROLE,
+    CALLERS,
+    ENGINE,
+    TRAINER,
+    ensure_admin_token,
+    mint_token,
+)
 from controlplane.errors import ERROR_RESPONSES, EngineUnknown, NoVersionYet, install_handlers
-from controlplane.fleet import Fleet
-from controlplane.heartbeats import Heartbeats
 from controlplane.hotpath import ControlPlaneApp, HotPath
-from controlplane.metrics import Metrics
 from controlplane.middleware import BodyLimit, RequestMetrics
 from controlplane.pointer import confirm_published
 from controlplane.proxy import Proxy, not_ready, open_client, resolve_run, validation_error
-from controlplane.registry import Registry
 from controlplane.router import pick
-from controlplane.runs import Runs
+from controlplane.services import Services
 from controlplane.settings import ControlPlaneSettings
 from store.types import VersionConstraint
 from wire import (
@@ -60,12 +63,6 @@ from wire import (
     VersionNotify,
     WeightVersionSpec,
 )
-
-ANY_ROLE = frozenset(Role)
-TRAINER = frozenset({Role.TRAINER})
-ENGINE = frozenset({Role.ENGINE})
-CALLERS = frozenset({Role.CLIENT, Role.TRAINER})
-ADMIN = frozenset({Role.ADMIN})
 
 GENERATE_BODY = {
     "requestBody": {
@@ -102,49 +99,6 @@ GENERATE_BODY = {
         },
     }
 }
-
-
-@dataclass
-class ControlPlane:
-    """Everything one control-plane process holds, built from its settings."""
-
-    settings: ControlPlaneSettings
-    engine: Any
-    sessions: Any
-    tokens: TokenChecker
-    registry: Registry
-    runs: Runs
-    fleet: Fleet
-    metrics: Metrics
-    heartbeats: Heartbeats
-    proxy: Proxy | None = None
-    first_admin_token: str | None = None
-    version_events: list[asyncio.Event] = field(default_factory=list)
-
-    @classmethod
-    def build(cls, settings: ControlPlaneSettings) -> ControlPlane:
-        engine = dbmod.open_engine(settings.db_url)
-        sessions = dbmod.session_factory(engine)
-        metrics = Metrics()
-        registry = Registry(sessions, settings.lease_seconds)
-        runs = Runs(sessions, settings.store)
-        fleet = Fleet(registry, runs, metrics, settings.snapshot_refresh_s)
-        return cls(
-            settings=settings,
-            engine=engine,
-            sessions=sessions,
-            tokens=TokenChecker(sessions, settings.token_cache_s),
-            registry=registry,
-            runs=runs,
-            fleet=fleet,
-            metrics=metrics,
-            heartbeats=Heartbeats(registry, runs, fleet),
-        )
-
-    def wake_version_waiters(self) -> None:
-        waiters, self.version_events = self.version_events, []
-        for event in waiters:
-            event.set()
 
 
 def _engine_info(row: Any, target: int | None) -> EngineInfo:
@@ -185,7 +139,7 @@ async def _long_poll(
 def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:
     """The ASGI application for one control-plane process (migrate the database first)."""
     settings = settings or ControlPlaneSettings()
-    cp = ControlPlane.build(settings)
+    cp = Services.build(settings)
     bearer = HTTPBearer(auto_error=False, description="Tether token (tether token create)")
 
     def role(allowed: frozenset[Role]) -> Callable[..., Coroutine[Any, Any, Role]]:

@@ -26,6 +26,14 @@ log = logging.getLogger(__name__)
 
 TOKEN_PREFIX = "tth_"
 
+# Who may call which route, one set per audience; both lanes (FastAPI and the hot lane)
+# check the same sets.
+ANY_ROLE = frozenset(Role)
+ADMIN = frozenset({Role.ADMIN})
+TRAINER = frozenset({Role.TRAINER})
+ENGINE = frozenset({Role.ENGINE})
+CALLERS = frozenset({Role.CLIENT, Role.TRAINER})
+
 
 def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()

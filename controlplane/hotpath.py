@@ -23,16 +23,15 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from controlplane.auth import CALLERS, ENGINE
 from controlplane.errors import ApiError, InternalError, InvalidRequest, error_response, field_path
-from wire import Heartbeat, Role
+from wire import Heartbeat
 
 if TYPE_CHECKING:
-    from controlplane.app import ControlPlane
+    from controlplane.services import Services
 
 log = logging.getLogger(__name__)
 
-CALLERS = frozenset({Role.CLIENT, Role.TRAINER})
-ENGINE = frozenset({Role.ENGINE})
 GENERATE_ROUTES = {
     "/v1/generate": "generate",
     "/v1/completions": "completions",
@@ -89,7 +88,7 @@ async def read_body(receive: Receive) -> bytes:
 class HotPath:
     """ASGI app for the hot routes: `claim` says whether a request is one of them."""
 
-    def __init__(self, cp: ControlPlane) -> None:
+    def __init__(self, cp: Services) -> None:
         self.cp = cp
         self.generate_routes = {path: RouteTemplate(path) for path in GENERATE_ROUTES}
 

@@ -1,9 +1,9 @@
 """The store-only demo (`tether demo --store-only`): generated versions, published through the
 store protocol, verified and rebuilt, with no engines and no network.
 
-Owns the loop "next generated checkpoint → FULL or DELTA → publish" and the figures it ends
-with. It never prints: the CLI draws the progress bar and the table from `on_version` and
-the returned figures.
+Owns the loop "next generated checkpoint → encode (the store's `VersionEncoder`: FULL or
+DELTA) → publish" and the figures it ends with. It never prints: the CLI draws the progress
+bar and the table from `on_version` and the returned figures.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from store.anchor import AnchorPolicy
-from store.codecs import encode_version
+from store.encoder import VersionEncoder
 from store.store import Store
 from store.synthetic import random_checkpoint, small_update
 from store.types import VersionKind, VersionRef
@@ -33,32 +33,19 @@ def publish_generated(
     the newest; return the figures (kinds, sizes, verified, latest_bit_identical)."""
     started = time.perf_counter()
     store.create_run(run_id, base_checkpoint="generated:random-bf16")
-    policy = AnchorPolicy(every=anchor_every)
+    encoder = VersionEncoder(codec, AnchorPolicy(every=anchor_every))
     tensors = random_checkpoint(seed=seed)
-    previous = None
-    last_anchor: int | None = None
     kinds: list[str] = []
     sizes: list[int] = []
     for version in range(versions):
-        if previous is not None:
-            tensors = small_update(previous, seed=seed * 7919 + version, fraction=0.03)
-        full = encode_version(tensors, None, version=version, base_version=None, codec="full")
-        delta = None
-        if previous is not None:
-            delta = encode_version(
-                tensors, previous, version=version, base_version=version - 1, codec=codec
-            )
-        kind = policy.choose(
-            version, last_anchor, None if delta is None else _size(delta), _size(full)
-        )
-        files = full if kind is VersionKind.FULL or delta is None else delta
-        store.publish(VersionRef(run_id, version), files)
-        if kind is VersionKind.FULL:
-            last_anchor = version
-        kinds.append(str(kind))
-        sizes.append(_size(files))
-        previous = tensors
-        on_version(version, kind)
+        if version:
+            tensors = small_update(tensors, seed=seed * 7919 + version, fraction=0.03)
+        encoded = encoder.encode(tensors, version)
+        store.publish(VersionRef(run_id, version), encoded.files)
+        encoder.accept(encoded)
+        kinds.append(str(encoded.kind))
+        sizes.append(encoded.bytes)
+        on_version(version, encoded.kind)
     problems = [
         problem
         for version in store.list_versions(run_id)
@@ -82,7 +69,3 @@ def publish_generated(
         "latest_bit_identical": identical,
         "seconds": round(time.perf_counter() - started, 3),
     }
-
-
-def _size(files: dict[str, bytes]) -> int:
-    return sum(len(data) for data in files.values())

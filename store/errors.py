@@ -59,3 +59,12 @@ class AlreadyExists(StoreError, ValueError):
 
     Recovery: publish under a new version number (or create a run with a new id).
     """
+
+
+class StorageUnavailable(StoreError):
+    """The storage behind the store failed transiently: a network error, a timeout, an I/O
+    error, a 5xx or throttling answer from S3. Every adapter raises this one type for it.
+
+    Recovery: retry the same operation after a backoff. Nothing a reader can observe was
+    half-written (objects are written whole and the pointer moves last).
+    """

@@ -1,10 +1,11 @@
 """The Publisher: turns a trainer's weights into the next policy version of a run.
 
-Owns the trainer's half of the publish protocol: cast the master weights to the run's
-canonical dtype, check them against the previous version (same names, shapes, dtypes),
-choose FULL or DELTA by the anchor policy, encode the tensors in parallel, upload with
-retries on transient store errors, move the pointer by compare-and-swap (through
-`Store.publish`), then tell the control plane.
+Owns the trainer's half of the publish protocol, forward only: cast the master weights to
+the run's canonical dtype and check them against the previous version (same names, shapes,
+dtypes) → the store encodes the next version (`store.encoder.VersionEncoder`: FULL or DELTA
+by the anchor policy, tensors encoded in parallel) → `Store.publish` writes and verifies
+every byte, then moves the pointer by compare-and-swap (retried on `StorageUnavailable`)
+→ tell the control plane. It never touches codec internals or a storage client.
 
 Invariants, and why they hold:
 
@@ -15,7 +16,8 @@ Invariants, and why they hold:
 - A failed notification never loses a version: the version is durable once the pointer
   moved; the notification is queued and sent again on the next publish (`VersionNotifier`).
 - The next delta's base is exactly the canonical tensors of the last published version,
-  kept in memory (a private copy, so the trainer updating its parameters cannot change it).
+  kept in memory by the encoder (a private copy, so the trainer updating its parameters
+  cannot change it), and accepted only once the pointer moved.
 
 This module never decides engine targets and never reads from the control plane beyond
 creating the run there.
@@ -28,31 +30,30 @@ import os
 import random
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
-import numpy as np
 
 from store.anchor import AnchorPolicy
-from store.codecs import DEFAULT_SHARD_BYTES, encode_version, get_codec
-from store.codecs.delta import DeltaCodec, encode_delta
+from store.codecs import DEFAULT_SHARD_BYTES, Progress
+from store.encoder import VersionEncoder
 from store.errors import (
     ChecksumMismatch,
     InvalidVersion,
     PointerConflict,
     PointerRewind,
+    StorageUnavailable,
     StoreError,
     TensorMismatch,
     VersionNotFound,
 )
 from store.run_info import RunInfo
 from store.store import Store
-from store.tensors import RawTensor, total_bytes
+from store.tensors import RawTensor
 from store.types import VersionKind, VersionRef, validate_run_id, validate_version
 from trainer_client.notifier import ControlPlaneRefused, VersionNotifier, auth_headers, error_text
 
@@ -62,8 +63,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Weights = Mapping[str, "torch.Tensor"] | str | os.PathLike[str]
-# progress(done, total, what) for callers that draw their own progress.
-Progress = Callable[[int, int, str], None]
 
 # Float dtypes a run may keep its canonical tensors in (safetensors code -> torch attribute).
 _CANONICAL_FLOATS = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
@@ -86,27 +85,6 @@ class PublishReport:
     notified: bool = False
 
 
-class _PrecomputedCodec:
-    """A delta codec whose payloads were encoded ahead of time, in parallel.
-
-    `encode_delta` writes the envelope (shards, checksums, index) and asks the codec for
-    each tensor's payload in turn; this answers from the parallel pass, keyed by the target
-    tensor object it was computed for.
-    """
-
-    def __init__(self, inner: DeltaCodec, payloads: dict[int, np.ndarray | None]) -> None:
-        self.name = inner.name
-        self.delta_encoding = inner.delta_encoding
-        self._inner = inner
-        self._payloads = payloads
-
-    def encode_tensor(self, target: RawTensor, base: RawTensor) -> np.ndarray | None:
-        return self._payloads[id(target)]
-
-    def apply_into(self, out: np.ndarray, payload: np.ndarray, itemsize: int, name: str) -> None:
-        self._inner.apply_into(out, payload, itemsize, name)
-
-
 class UploadFailed(StoreError):
     """Every upload attempt of a version failed on a transient store error (network, I/O).
 
@@ -116,19 +94,9 @@ class UploadFailed(StoreError):
 
 
 def _is_transient(exc: BaseException) -> bool:
-    """Store failures worth retrying: I/O and network errors, a bad read-back, a generic
-    S3 failure. Refusals (bad names, rewinds, conflicts, immutability) are not."""
-    if isinstance(exc, ChecksumMismatch):
-        return True
-    if type(exc) is StoreError:  # the S3 adapter's untranslated request failure
-        return True
-    if isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError):
-        return True
-    try:
-        from botocore.exceptions import BotoCoreError
-    except ImportError:
-        return False
-    return isinstance(exc, BotoCoreError)
+    """Store failures worth retrying: the storage was unavailable (network, I/O, a 5xx) or a
+    read-back did not match. Refusals (bad names, rewinds, conflicts, immutability) are not."""
+    return isinstance(exc, StorageUnavailable | ChecksumMismatch)
 
 
 def load_hf_folder(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
@@ -228,11 +196,10 @@ class Publisher:
         progress: bool | None = None,
     ) -> None:
         self.run_id = validate_run_id(run_id)
-        self.codec = get_codec(codec)
-        self.anchor_policy = anchor_policy or AnchorPolicy()
+        self.encoder = VersionEncoder(
+            codec, anchor_policy, workers=workers, shard_bytes=shard_bytes
+        )
         self.store = Store(store_url, storage_options=storage_options)
-        self.workers = workers or min(8, os.cpu_count() or 1)
-        self.shard_bytes = shard_bytes
         self.upload_attempts = max(1, upload_attempts)
         self.show_progress = sys.stderr.isatty() if progress is None else progress
         self._client: httpx.Client | None = None
@@ -243,9 +210,6 @@ class Publisher:
             )
             self.notifier = VersionNotifier(self._client, self.run_id)
         self._run: RunInfo | None = None
-        self._base: dict[str, RawTensor] | None = None
-        self._base_version: int | None = None
-        self._last_anchor: int | None = None
 
     def __enter__(self) -> Publisher:
         return self
@@ -263,7 +227,7 @@ class Publisher:
     @property
     def version(self) -> int | None:
         """The last version this publisher published or adopted (None before claim)."""
-        return self._base_version
+        return self.encoder.base_version
 
     # ------------------------------------------------------------------ claim
 
@@ -335,14 +299,7 @@ class Publisher:
 
     def _adopt(self, version: int) -> None:
         """Take the store's version `version` as the next delta's base (a restart)."""
-        self._base = self.store.materialize(self.run_id, version)
-        self._base_version = version
-        anchors = [
-            info.ref.version
-            for info in self.store.version_infos(self.run_id)
-            if info.complete and info.kind is VersionKind.FULL and info.ref.version <= version
-        ]
-        self._last_anchor = max(anchors) if anchors else None
+        self.encoder.resume(self.store, self.run_id, version)
         log.info("publisher of run %s resumes from v%d", self.run_id, version)
 
     def _kind_of(self, version: int) -> VersionKind:
@@ -357,7 +314,7 @@ class Publisher:
         `TensorMismatch` (missing, extra or reshaped tensors) or `PointerRewind` (version not
         newer) before anything is written.
         """
-        if self._base is None:
+        if self.encoder.base is None:
             pointer = self.store.read_pointer(self.run_id)
             if pointer is None:
                 raise VersionNotFound(
@@ -365,8 +322,8 @@ class Publisher:
                     "call claim(boot_version, base_checkpoint) first"
                 )
             self._adopt(pointer.version)
-        assert self._base_version is not None
-        chosen = self._base_version + 1 if version is None else validate_version(version)
+        assert self.encoder.base_version is not None
+        chosen = self.encoder.base_version + 1 if version is None else validate_version(version)
         return self._publish(self._as_weights(weights), chosen, first=False)
 
     def _as_weights(self, weights: Weights) -> Mapping[str, torch.Tensor]:
@@ -383,26 +340,23 @@ class Publisher:
         run = self._run or self.store.read_run(self.run_id)
         self._run = run
         ref = VersionRef(self.run_id, version)
-        expected = None if first else VersionRef(self.run_id, self._base_version or 0)
+        expected = None if first else VersionRef(self.run_id, self.encoder.base_version or 0)
         self._check_version(ref, expected)
         target = canonical_tensors(weights, run.canonical_dtype)
-        if self._base is not None and not first:
-            check_against_base(target, self._base)
-        full_bytes = total_bytes(target)
+        if self.encoder.base is not None and not first:
+            check_against_base(target, self.encoder.base)
 
         with self._progress() as progress:
-            files, kind, changed = self._encode(target, version, full_bytes, first, progress)
+            encoded = self.encoder.encode(target, version, progress)
             encode_s = time.perf_counter() - started
             progress(0, 1, f"upload v{version}")
             upload_started = time.perf_counter()
-            written = self._upload(ref, files, expected)
+            written = self._upload(ref, encoded.files, expected)
             upload_s = time.perf_counter() - upload_started
             progress(1, 1, f"upload v{version}")
 
-        base_version = None if kind is VersionKind.FULL else self._base_version
-        self._base, self._base_version = target, version
-        if kind is VersionKind.FULL:
-            self._last_anchor = version
+        self.encoder.accept(encoded)
+        kind, full_bytes = encoded.kind, encoded.full_bytes
         notified = self.notifier.notify(version, kind) if self.notifier is not None else False
         report = PublishReport(
             version=version,
@@ -413,8 +367,8 @@ class Publisher:
             encode_s=encode_s,
             upload_s=upload_s,
             total_s=time.perf_counter() - started,
-            base_version=base_version,
-            changed_tensors=changed,
+            base_version=encoded.base_version,
+            changed_tensors=encoded.changed_tensors,
             notified=notified,
         )
         log.info(
@@ -454,71 +408,6 @@ class Publisher:
                 f"v{ref.version} is below run {self.run_id!r}'s boot version "
                 f"{self._run.boot_version}"
             )
-
-    def _encode(
-        self,
-        target: dict[str, RawTensor],
-        version: int,
-        full_bytes: int,
-        first: bool,
-        progress: Progress,
-    ) -> tuple[dict[str, bytes], VersionKind, int]:
-        """The version's files, FULL or DELTA by the anchor policy, and the changed count."""
-        base = None if first else self._base
-        kind = VersionKind.FULL
-        if base is not None and self.codec.delta is not None:
-            kind = self.anchor_policy.choose(version, self._last_anchor, None, full_bytes)
-        if kind is VersionKind.DELTA:
-            assert base is not None and self.codec.delta is not None
-            payloads = self._encode_payloads(target, base, self.codec.delta, progress)
-            changed = sum(p is not None for p in payloads.values())
-            files = encode_delta(
-                _PrecomputedCodec(self.codec.delta, payloads),
-                target,
-                base,
-                version=version,
-                base_version=self._base_version or 0,
-                shard_bytes=self.shard_bytes,
-            )
-            delta_bytes = sum(len(data) for data in files.values())
-            kind = self.anchor_policy.choose(version, self._last_anchor, delta_bytes, full_bytes)
-            if kind is VersionKind.DELTA:
-                return files, kind, changed
-        progress(0, 1, f"encode v{version} (full)")
-        files = encode_version(
-            target, None, version=version, base_version=None, codec="full",
-            shard_bytes=self.shard_bytes,
-        )  # fmt: skip
-        progress(1, 1, f"encode v{version} (full)")
-        changed = (
-            len(target)
-            if base is None
-            else sum(not np.array_equal(t.data, base[n].data) for n, t in target.items())
-        )
-        return files, VersionKind.FULL, changed
-
-    def _encode_payloads(
-        self,
-        target: Mapping[str, RawTensor],
-        base: Mapping[str, RawTensor],
-        codec: DeltaCodec,
-        progress: Progress,
-    ) -> dict[int, np.ndarray | None]:
-        """Each tensor's delta payload, encoded on a thread pool (zstd and numpy release
-        the GIL, so the encodes overlap)."""
-        payloads: dict[int, np.ndarray | None] = {}
-        total = len(target)
-        # Codecs keep their zstd contexts per thread, so one instance serves every worker.
-        encode = codec.encode_tensor
-
-        with ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="encode") as pool:
-            futures = {
-                pool.submit(encode, tensor, base[name]): tensor for name, tensor in target.items()
-            }
-            for done, future in enumerate(as_completed(futures), start=1):
-                payloads[id(futures[future])] = future.result()
-                progress(done, total, "encode")
-        return payloads
 
     def _upload(
         self, ref: VersionRef, files: Mapping[str, bytes], expected: VersionRef | None

@@ -1,64 +1,38 @@
 """The checkpoint codecs: `full` (a Hugging Face folder), `xor` (Stitch's delta, byte for
 byte) and `sparse` (Tether's delta near the entropy of the change).
 
-Public surface: `CODECS`, `get_codec`, `encode_version`, `decode_version`, `fold`. A version
-is a mapping of relative file name -> bytes, its index (`model.safetensors.index.json`)
-included; any `Mapping` works for reading, so the store can hand in a lazy one. Nothing here
-touches storage, torch or the network.
+Public surface: `CODECS`, `get_codec`, `encode_version`, `decode_version`, `fold`
+(`registry` names the codecs, `fold` applies chains). A version is a mapping of relative
+file name -> bytes, its index (`model.safetensors.index.json`) included; any `Mapping` works
+for reading, so the store can hand in a lazy one. Nothing here touches storage, torch or
+the network.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
-from store.codecs.delta import DeltaCodec, encode_delta
+from store.codecs.delta import Progress, encode_delta
+from store.codecs.fold import fold_chain
 from store.codecs.full import encode_full
-from store.codecs.sparse import SparseCodec
-from store.codecs.xor import XorCodec
-from store.errors import TensorMismatch, UnknownCodec
+from store.codecs.registry import CODECS, Codec, codec_for_encoding, get_codec
+from store.errors import TensorMismatch
 from store.tensors import RawTensor
-from store.types import VersionKind, validate_version
+from store.types import validate_version
 
-CODECS = ("full", "xor", "sparse")
+__all__ = [
+    "CODECS",
+    "DEFAULT_SHARD_BYTES",
+    "Codec",
+    "Progress",
+    "codec_for_encoding",
+    "decode_version",
+    "encode_version",
+    "fold",
+    "get_codec",
+]
+
 DEFAULT_SHARD_BYTES = 2**30
-
-
-@dataclass(frozen=True)
-class Codec:
-    """A codec by name: what kind of version it writes and, for a delta, how."""
-
-    name: str
-    kind: VersionKind
-    delta: DeltaCodec | None = None
-
-    @property
-    def delta_encoding(self) -> str | None:
-        return self.delta.delta_encoding if self.delta is not None else None
-
-
-_DELTAS: dict[str, DeltaCodec] = {"xor": XorCodec(), "sparse": SparseCodec()}
-
-
-def get_codec(name: str) -> Codec:
-    """The codec called `name` ("full", "xor" or "sparse"); `UnknownCodec` otherwise."""
-    if name == "full":
-        return Codec("full", VersionKind.FULL)
-    if name in _DELTAS:
-        return Codec(name, VersionKind.DELTA, _DELTAS[name])
-    raise UnknownCodec(f"unknown codec {name!r}: choose one of {', '.join(CODECS)}")
-
-
-def codec_for_encoding(delta_encoding: str) -> DeltaCodec:
-    """The delta codec that reads an index's `delta_encoding` ("xor", "sparse-v1")."""
-    for codec in _DELTAS.values():
-        if codec.delta_encoding == delta_encoding:
-            return codec
-    known = ", ".join(c.delta_encoding for c in _DELTAS.values())
-    raise UnknownCodec(
-        f"this version uses delta_encoding {delta_encoding!r}, which Tether cannot read "
-        f"(it reads: {known}); upgrade Tether or re-publish with a known codec"
-    )
 
 
 def encode_version(
@@ -69,12 +43,14 @@ def encode_version(
     base_version: int | None,
     codec: str,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
+    workers: int = 1,
+    progress: Progress | None = None,
 ) -> dict[str, bytes]:
     """The files of version `version` of `target`: shards plus the index file.
 
     `full` ignores `base`. Delta codecs need `base` (the tensors of `base_version`) with the
     same names, dtypes and shapes as `target` (else `TensorMismatch`); unchanged tensors are
-    omitted from the delta.
+    omitted from the delta, and `workers` threads encode its tensors.
     """
     chosen = get_codec(codec)
     validate_version(version)
@@ -97,6 +73,8 @@ def encode_version(
         version=version,
         base_version=base_version,
         shard_bytes=shard_bytes,
+        workers=workers,
+        progress=progress,
     )
 
 
@@ -108,15 +86,11 @@ def decode_version(
     Target checksums are verified; `base` is never modified (unchanged tensors are returned
     as the base's own objects).
     """
-    from store.fold import fold_chain  # store.fold imports this package: import it late
-
     return fold_chain(base, [files])
 
 
 def fold(
     base: Mapping[str, RawTensor], deltas: Sequence[Mapping[str, bytes]]
 ) -> dict[str, RawTensor]:
-    """Apply a chain of versions to `base` in one pass per tensor; see `store.fold`."""
-    from store.fold import fold_chain
-
+    """Apply a chain of versions to `base` in one pass per tensor; see `store.codecs.fold`."""
     return fold_chain(base, deltas)

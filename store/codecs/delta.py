@@ -9,9 +9,10 @@ never interprets payload bytes.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import numpy as np
 
@@ -24,6 +25,10 @@ from store.tensors import RawTensor
 from store.types import VersionKind
 
 COMPRESSION_FORMAT = "zstd"
+
+# progress(done, total, what), for callers that draw their own progress.
+Progress = Callable[[int, int, str], None]
+_Result = TypeVar("_Result")
 
 
 class DeltaCodec(Protocol):
@@ -84,17 +89,31 @@ def encode_delta(
     version: int,
     base_version: int,
     shard_bytes: int,
+    workers: int = 1,
+    progress: Progress | None = None,
 ) -> dict[str, bytes]:
-    """The files of a delta version turning `base` into `target` (shards + index)."""
+    """The files of a delta version turning `base` into `target` (shards + index).
+
+    With `workers` > 1 the tensors are encoded on a thread pool (zstd, numpy and xxhash
+    release the GIL, so the encodes overlap); the files are the same bytes either way.
+    `progress(done, total, "encode")` is called after each tensor.
+    """
     check_same_layout(target, base)
+
+    def encode_one(name: str) -> tuple[np.ndarray | None, str | None]:
+        tensor = target[name]
+        payload = codec.encode_tensor(tensor, base[name])
+        return payload, None if payload is None else tensor_checksum(tensor.data)
+
+    encoded = _map_names(encode_one, list(target), workers, progress)
     payloads: dict[str, RawTensor] = {}
     checksums: dict[str, str] = {}
-    for name, tensor in target.items():
-        payload = codec.encode_tensor(tensor, base[name])
-        if payload is None:
+    for name in target:  # the target's order, whatever order the threads finished in
+        payload, checksum = encoded[name]
+        if payload is None or checksum is None:
             continue
         payloads[name] = RawTensor("U8", (int(payload.size),), payload)
-        checksums[name] = tensor_checksum(tensor.data)
+        checksums[name] = checksum
     groups = plan_shards([(name, p.nbytes) for name, p in payloads.items()], shard_bytes)
     files: dict[str, bytes] = {}
     weight_map: dict[str, str] = {}
@@ -115,6 +134,30 @@ def encode_delta(
     )
     files[INDEX_FILENAME] = manifest.to_index_json()
     return files
+
+
+def _map_names(
+    work: Callable[[str], _Result],
+    names: list[str],
+    workers: int,
+    progress: Progress | None,
+) -> dict[str, _Result]:
+    """`work(name)` for every name, on `workers` threads, reporting progress as they finish."""
+    results: dict[str, _Result] = {}
+    if workers <= 1:
+        for done, name in enumerate(names, start=1):
+            results[name] = work(name)
+            if progress is not None:
+                progress(done, len(names), "encode")
+        return results
+    # Codecs keep their zstd contexts per thread, so one instance serves every worker.
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="encode") as pool:
+        futures = {pool.submit(work, name): name for name in names}
+        for done, future in enumerate(as_completed(futures), start=1):
+            results[futures[future]] = future.result()
+            if progress is not None:
+                progress(done, len(names), "encode")
+    return results
 
 
 def read_delta(files: Mapping[str, bytes], manifest: Manifest) -> dict[str, DeltaEntry]:

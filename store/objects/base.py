@@ -3,14 +3,29 @@
 An `ObjectStore` speaks in keys relative to the store root ("run-a/latest") and offers the
 few operations the store's protocol needs: whole-object reads and writes that readers see
 all-or-nothing, create-only writes, ranged reads, one-level listings, prefix deletion, and
-a compare-and-swap cell for the pointer. Adapters never interpret the bytes they hold and
+a compare-and-swap cell for the pointer. A transient failure is always `StorageUnavailable`
+(`transient_os_errors` for file-based adapters). Adapters never interpret the bytes they hold and
 never decide policy (what may be overwritten, which way a pointer may move): `Store` does.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+
+from store.errors import StorageUnavailable
+
+# OS errors that answer the question asked (absent, present, wrong kind, not allowed);
+# every other OSError (EIO, ENOSPC, a stale NFS handle, ...) is a transient failure.
+_ANSWERS = (
+    FileNotFoundError,
+    FileExistsError,
+    IsADirectoryError,
+    NotADirectoryError,
+    PermissionError,
+)
 
 
 @dataclass(frozen=True)
@@ -80,3 +95,19 @@ class ObjectStore(ABC):
 
         Raise `PointerConflict` if another writer changed (or created) the cell since.
         """
+
+
+@contextmanager
+def transient_os_errors(where: str) -> Iterator[None]:
+    """Turn an OS failure of the storage at `where` into `StorageUnavailable`, the one
+    retryable error type of every adapter; answers (`FileNotFoundError`, ...) pass as they
+    are."""
+    try:
+        yield
+    except _ANSWERS:
+        raise
+    except OSError as exc:
+        raise StorageUnavailable(
+            f"I/O on {where} failed ({type(exc).__name__}: {exc}); retry once the disk or "
+            "mount is healthy"
+        ) from exc

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from store.errors import PointerConflict
-from store.objects.base import Cell, Listing, ObjectStore
+from store.objects.base import Cell, Listing, ObjectStore, transient_os_errors
 
 _TEMP_MARK = ".tmp-"
 LOCK_SUFFIX = ".lock"
@@ -35,10 +35,11 @@ class LocalObjects(ObjectStore):
         return self.root / key
 
     def get(self, key: str) -> bytes:
-        return self._path(key).read_bytes()
+        with transient_os_errors(f"{self.url}/{key}"):
+            return self._path(key).read_bytes()
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
-        with open(self._path(key), "rb") as f:
+        with transient_os_errors(f"{self.url}/{key}"), open(self._path(key), "rb") as f:
             f.seek(start)
             return f.read(length)
 
@@ -59,20 +60,22 @@ class LocalObjects(ObjectStore):
 
     def put(self, key: str, data: bytes) -> None:
         path = self._path(key)
-        temp = self._write_temp(path, data)
-        os.replace(temp, path)
-        _fsync_dir(path.parent)
+        with transient_os_errors(f"{self.url}/{key}"):
+            temp = self._write_temp(path, data)
+            os.replace(temp, path)
+            _fsync_dir(path.parent)
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         path = self._path(key)
-        temp = self._write_temp(path, data)
-        try:
-            os.link(temp, path)
-        except FileExistsError:
-            return False
-        finally:
-            temp.unlink()
-        _fsync_dir(path.parent)
+        with transient_os_errors(f"{self.url}/{key}"):
+            temp = self._write_temp(path, data)
+            try:
+                os.link(temp, path)
+            except FileExistsError:
+                return False
+            finally:
+                temp.unlink()
+            _fsync_dir(path.parent)
         return True
 
     def list(self, prefix: str) -> Listing:

@@ -21,6 +21,7 @@ import numpy as np
 from store.checksum import tensor_checksum
 from store.codecs.delta import DeltaCodec, read_delta
 from store.codecs.full import decode_full
+from store.codecs.registry import codec_for_encoding
 from store.errors import ChecksumMismatch, CorruptPayload, TensorMismatch
 from store.manifest import INDEX_FILENAME, Manifest
 from store.tensors import RawTensor
@@ -56,8 +57,6 @@ def fold_chain(
     `ChecksumMismatch` for bad bytes, `TensorMismatch` for a delta that names tensors the
     base lacks or a delta chain without a base.
     """
-    from store.codecs import codec_for_encoding  # the package re-exports this module's fold
-
     manifests = [read_manifest(files) for files in versions]
     _check_lineage(manifests)
     start = 0

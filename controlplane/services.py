@@ -1,0 +1,66 @@
+"""The parts of one control-plane process, built from its settings and shared by both lanes
+(FastAPI's routes in `app` and the hot lane in `hotpath`).
+
+Owns construction only: which part gets which collaborator. It serves no request and must
+never import `app` or `hotpath`, which both read it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from controlplane import db as dbmod
+from controlplane.auth import TokenChecker
+from controlplane.fleet import Fleet
+from controlplane.heartbeats import Heartbeats
+from controlplane.metrics import Metrics
+from controlplane.proxy import Proxy
+from controlplane.registry import Registry
+from controlplane.runs import Runs
+from controlplane.settings import ControlPlaneSettings
+
+
+@dataclass
+class Services:
+    """Everything one control-plane process holds, built from its settings: the database,
+    the token checker, registry, runs, fleet snapshot, metrics, heartbeat writer and proxy."""
+
+    settings: ControlPlaneSettings
+    engine: Any
+    sessions: Any
+    tokens: TokenChecker
+    registry: Registry
+    runs: Runs
+    fleet: Fleet
+    metrics: Metrics
+    heartbeats: Heartbeats
+    proxy: Proxy | None = None
+    first_admin_token: str | None = None
+    version_events: list[asyncio.Event] = field(default_factory=list)
+
+    @classmethod
+    def build(cls, settings: ControlPlaneSettings) -> Services:
+        engine = dbmod.open_engine(settings.db_url)
+        sessions = dbmod.session_factory(engine)
+        metrics = Metrics()
+        registry = Registry(sessions, settings.lease_seconds)
+        runs = Runs(sessions, settings.store)
+        fleet = Fleet(registry, runs, metrics, settings.snapshot_refresh_s)
+        return cls(
+            settings=settings,
+            engine=engine,
+            sessions=sessions,
+            tokens=TokenChecker(sessions, settings.token_cache_s),
+            registry=registry,
+            runs=runs,
+            fleet=fleet,
+            metrics=metrics,
+            heartbeats=Heartbeats(registry, runs, fleet),
+        )
+
+    def wake_version_waiters(self) -> None:
+        waiters, self.version_events = self.version_events, []
+        for event in waiters:
+            event.set()
