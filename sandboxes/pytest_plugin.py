@@ -9,6 +9,13 @@ test, one with the collected count, and a final one at session end carrying pyte
 status; a run that dies before `pytest_sessionfinish` (for example via `os._exit`) has no
 final record, which the scorer treats as forged.
 
+A test's recorded outcome is not only what pytest's reports say: the recorder also wraps
+the test call itself (`pytest_runtest_call`, outermost) and notes whether it raised. A
+report that says "passed" for a call that raised, or for a test whose call never ran, is
+recorded as "failed" / "error", so code that rewrites reports (a `pytest_runtest_makereport`
+hook registered from inside the tests' process) makes the records and the JUnit report
+disagree, which the scorer treats as forged.
+
 This module runs under the task's interpreter with only the standard library and pytest:
 it must never import anything of Tether, and never trust what the tests print.
 """
@@ -50,6 +57,12 @@ class Recorder:
         self._key, self._fd, self._seq = key, fd, 0
         self._phases: dict[str, list] = {}
         self._ran = 0
+        self._calls: dict[str, bool] = {}  # nodeid -> whether the test call raised
+
+    def observe_call(self, item):
+        """Hookwrapper around the test call: whether it raised, seen before any report."""
+        outcome = yield
+        self._calls[item.nodeid] = outcome.excinfo is not None
 
     def _write(self, kind: str, **fields: object) -> None:
         self._seq += 1
@@ -65,6 +78,11 @@ class Recorder:
 
     def pytest_runtest_logfinish(self, nodeid: str, location) -> None:
         outcome = _outcome_of(self._phases.pop(nodeid, []))
+        if outcome == "passed":
+            # A pass needs a call that ran and returned; reports alone can be rewritten.
+            raised = self._calls.get(nodeid)
+            outcome = "error" if raised is None else "failed" if raised else "passed"
+        self._calls.pop(nodeid, None)
         self._ran += 1
         self._write(TEST, nodeid=nodeid, outcome=outcome)
 
@@ -130,6 +148,11 @@ def main(argv: list[str]) -> int:
         f"junit_suite_name={secrets_['nonce']}",
     ]
     del secrets_
+    # Outermost wrapper of the test call: it sees the call's exception before any other
+    # wrapper or report hook can hide it.
+    Recorder.pytest_runtest_call = pytest.hookimpl(hookwrapper=True, tryfirst=True)(
+        Recorder.observe_call
+    )
     return int(pytest.main(args, plugins=[Recorder(key, fd)]))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import socket
 import subprocess
@@ -79,14 +80,17 @@ def test_a_patch_adding_a_cheating_conftest_scores_zero(example: ExampleTask):
         assert_zero(result, f"protected paths: {where}")
 
 
-def test_the_cheating_conftest_would_have_worked_without_the_guard(example: ExampleTask):
-    """The attack is real: placed by the task itself (not the patch), it fakes a pass."""
+def test_the_cheating_conftest_is_caught_even_where_no_path_protects_against_it(
+    example: ExampleTask,
+):
+    """Placed by the task itself (not the patch), the report rewriter turns the failing
+    tests into passes in pytest's reports; the recorder saw the calls raise."""
     (example.repo / "conftest.py").write_text(CHEATING_CONFTEST)
     git(example.repo, "add", "conftest.py")
     git(example.repo, "commit", "-q", "-m", "cheat")
     base = git(example.repo, "rev-parse", "HEAD").strip()
     task = example.task().model_copy(update={"base_commit": base})
-    assert score(task, "").reward == 1
+    assert_zero(score(task, ""), "but the plugin recorded failed; treating as forged")
 
 
 def test_a_patch_editing_a_required_test_scores_zero(example: ExampleTask):
@@ -275,15 +279,29 @@ for _found in gc.get_objects():
 """
 
 
-def test_a_patch_rewriting_outcomes_in_process_is_stopped_by_the_harness_guard(
+def test_a_patch_rewriting_outcomes_in_process_scores_zero_even_without_the_guard(
     example: ExampleTask,
 ):
-    """The residual risk, for real: in-process code can re-register hooks; only the guard
-    (a static tripwire) stops this form of it."""
+    """In-process code re-registers a report hook that turns every failure into a pass:
+    the recorder saw the test call raise, so the records and the report disagree."""
     changes = {"calc/ops.py": ops_with(OUTCOME_REWRITER)}
-    assert score_change(example, changes, harness_guard=False).reward == 1
+    unguarded = score_change(example, changes, harness_guard=False)
+    assert_zero(unguarded, "but the plugin recorded failed; treating as forged")
     result = score_change(example, changes)
     assert_zero(result, "patch reaches into the test harness: calc/ops.py:+3 'import pytest'")
+
+
+ENCODED_REWRITER = base64.b64encode(OUTCOME_REWRITER.encode()).decode()
+OBFUSCATED_REWRITER = f"import base64 as _b\nexec(_b.b64decode({ENCODED_REWRITER!r}).decode())\n"
+
+
+def test_an_obfuscated_outcome_rewriter_passes_the_guard_and_still_scores_zero(
+    example: ExampleTask,
+):
+    """The last known hole: the same hook, decoded at run time, is invisible to the static
+    guard; the recorder's own view of the test call still catches it."""
+    result = score_change(example, {"calc/ops.py": ops_with(OBFUSCATED_REWRITER)})
+    assert_zero(result, "but the plugin recorded failed; treating as forged")
 
 
 def test_a_patch_importing_pytest_internals_scores_zero_naming_the_line(example: ExampleTask):
