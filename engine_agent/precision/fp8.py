@@ -1,10 +1,15 @@
 """FP8 E4M3 with 128×128 block scales (`weight_scale_inv`), as SGLang's `fp8` method loads it.
 
 Owns the quantize and dequantize math for one 2-D weight. Dims that are not multiples of
-the block are zero-padded for the per-tile amax and cropped afterwards, so the scale grid
-is `[ceil(N/128), ceil(K/128)]`. Values are clamped to ±448 before the cast, which makes
-the result independent of how a torch build handles out-of-range casts. Must never decide
-which tensors get quantized (that is `engine_agent.precision.plan`).
+the block count as zero-padded for the per-tile amax (zeros never raise an amax), so the
+scale grid is `[ceil(N/128), ceil(K/128)]`. Values are clamped to ±448 before the cast,
+which makes the result independent of how a torch build handles out-of-range casts.
+
+The arithmetic is split into `block_amax`, `scales_from_amax` and `encode` so that the
+incremental converter (`engine_agent.precision.incremental`) recodes a few elements with
+exactly the fp32 operations a full conversion runs: elementwise IEEE division, clamp and
+cast give the same bits whether they run over a whole tensor or a gathered subset.
+Must never decide which tensors get quantized (that is `engine_agent.precision.plan`).
 """
 
 from __future__ import annotations
@@ -13,13 +18,43 @@ import torch
 
 BLOCK = 128
 E4M3_MAX = 448.0
+# Rows converted per step: one block row, so the fp32 working copy stays in cache.
+_ROWS_PER_STEP = BLOCK
 
 
-def _pad_to_blocks(w: torch.Tensor, block: int) -> torch.Tensor:
-    rows, cols = w.shape
-    pad_rows = -rows % block
-    pad_cols = -cols % block
-    return torch.nn.functional.pad(w, (0, pad_cols, 0, pad_rows))
+def scales_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    """`weight_scale_inv` entries (fp32) for per-tile amaxes: amax/448, 1.0 for a zero tile."""
+    return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+
+
+def encode(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """E4M3 codes of fp32 `values` divided by `scale` (broadcast), clamped to ±448.
+
+    Writes into `values` (the caller's fp32 scratch) to avoid another buffer.
+    """
+    values.div_(scale).clamp_(-E4M3_MAX, E4M3_MAX)
+    return values.to(torch.float8_e4m3fn)
+
+
+def _column_block_max(chunk: torch.Tensor, block: int) -> torch.Tensor:
+    """Per column-block max |x| of an fp32 row chunk (zero padding never raises a max)."""
+    cols = chunk.shape[1]
+    # max(amax, -amin) is max |x| without materialising |x|.
+    colmax = torch.maximum(chunk.amax(dim=0), chunk.amin(dim=0).neg_())
+    pad = -cols % block
+    if pad:
+        colmax = torch.nn.functional.pad(colmax, (0, pad))
+    return colmax.view(-1, block).amax(dim=1)
+
+
+def block_amax(weight: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """fp32 per-tile max |x| `[⌈N/b⌉, ⌈K/b⌉]` of a 2-D weight."""
+    rows, _ = weight.shape
+    out = [
+        _column_block_max(weight[r : r + block].to(torch.float32), block)
+        for r in range(0, rows, block)
+    ]
+    return torch.stack(out)
 
 
 def quantize_fp8_block(
@@ -29,14 +64,17 @@ def quantize_fp8_block(
     if weight.dim() != 2:
         raise ValueError(f"expected a 2-D Linear weight, found shape {tuple(weight.shape)}")
     rows, cols = weight.shape
-    padded = _pad_to_blocks(weight.to(torch.float32), block)
-    tiles = padded.view(padded.shape[0] // block, block, padded.shape[1] // block, block)
-    amax = tiles.abs().amax(dim=(1, 3))
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-    quotient = tiles / scale[:, None, :, None]
-    q = quotient.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    q = q.view(padded.shape)[:rows, :cols].contiguous()
-    return q, scale.contiguous()
+    q = torch.empty((rows, cols), dtype=torch.float8_e4m3fn)
+    scales = []
+    for r in range(0, rows, block):
+        chunk = weight[r : r + block].to(torch.float32, copy=True)
+        scale = scales_from_amax(_column_block_max(chunk, block))
+        scales.append(scale)
+        per_column = scale.repeat_interleave(block)[:cols]
+        q[r : r + block] = encode(chunk, per_column)
+    if not scales:
+        return q, torch.empty((0, -(-cols // block)), dtype=torch.float32)
+    return q, torch.stack(scales).contiguous()
 
 
 def dequantize_fp8_block(

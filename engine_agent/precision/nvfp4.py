@@ -23,21 +23,26 @@ E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 E4M3_MIN_SUBNORMAL = 2.0**-9
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-# Magnitudes at or above an upper bound move to the next code; ties at 0.25/1.25/2.5/5 stay
-# down and ties at 0.75/1.75/3.5 go up, which is round-to-nearest-even on this grid.
-_BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
-_TIES_UP = (0.75, 1.75, 3.5)
+# Magnitudes above a bound move to the next code; ties at 0.25/1.25/2.5/5 stay down and ties
+# at 0.75/1.75/3.5 go up, which is round-to-nearest-even on this grid.
+_BOUNDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True),
+           (5.0, False))  # fmt: skip
+_ELEMENTS_PER_STEP = 1 << 18
 
 
 def e2m1_codes(y: torch.Tensor) -> torch.Tensor:
     """4-bit codes (uint8, 0..15) of fp32 values, nearest-even, saturating at ±6."""
     mag = y.abs()
+    # Each comparison lands in one reused bool buffer, added as uint8: no per-bound tensors.
+    hit = torch.empty_like(mag, dtype=torch.bool)
+    hit_u8 = hit.view(torch.uint8)
     code = torch.zeros_like(mag, dtype=torch.uint8)
-    for bound in _BOUNDS:
-        above = mag >= bound if bound in _TIES_UP else mag > bound
-        code += above.to(torch.uint8)
-    negative = (y < 0) & (code > 0)
-    return code | (negative.to(torch.uint8) << 3)
+    for bound, ties_up in _BOUNDS:
+        (torch.ge if ties_up else torch.gt)(mag, bound, out=hit)
+        code.add_(hit_u8)
+    # Negative with a non-zero code is exactly y < -0.25 (zeros keep the + sign).
+    torch.lt(y, -_BOUNDS[0][0], out=hit)
+    return code.bitwise_or_(hit_u8 << 3)
 
 
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
@@ -66,6 +71,33 @@ def global_scale(global_amax: float) -> torch.Tensor:
     return amax / (E2M1_MAX * E4M3_MAX)
 
 
+def tensor_amax(weight: torch.Tensor) -> float:
+    """max |x| of a tensor (0.0 when empty), without materialising |x|."""
+    if weight.numel() == 0:
+        return 0.0
+    return max(float(weight.max()), -float(weight.min()))
+
+
+def group_scales(group_amax: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
+    """E4M3 per-16 scales for fp32 group amaxes: amax/(6·scale_2), 1.0 for a zero group."""
+    ideal = group_amax / (E2M1_MAX * scale_2)
+    ideal = torch.where(group_amax > 0, ideal, torch.ones_like(ideal))
+    return ideal.clamp(E4M3_MIN_SUBNORMAL, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def encode_groups(groups: torch.Tensor, scale_2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed codes `[G, 8]` and E4M3 scales `[G]` of fp32 16-element groups `[G, 16]`.
+
+    The one place values meet scales, shared by full and incremental conversion so that
+    both run the same fp32 operations. Writes into `groups` (the caller's scratch).
+    """
+    group_amax = torch.maximum(groups.amax(dim=-1), groups.amin(dim=-1).neg_())
+    block_scale = group_scales(group_amax, scale_2)
+    divisor = block_scale.to(torch.float32) * scale_2
+    groups.div_(divisor[:, None]).clamp_(-E2M1_MAX, E2M1_MAX)
+    return pack_nibbles(e2m1_codes(groups)), block_scale
+
+
 def quantize_nvfp4(
     weight: torch.Tensor, global_amax: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -77,15 +109,16 @@ def quantize_nvfp4(
         )
     rows, cols = weight.shape
     scale_2 = global_scale(global_amax)
-    blocks = weight.to(torch.float32).view(rows, cols // GROUP, GROUP)
-    block_amax = blocks.abs().amax(dim=-1)
-    ideal = block_amax / (E2M1_MAX * scale_2)
-    ideal = torch.where(block_amax > 0, ideal, torch.ones_like(ideal))
-    block_scale = ideal.clamp(E4M3_MIN_SUBNORMAL, E4M3_MAX).to(torch.float8_e4m3fn)
-    divisor = block_scale.to(torch.float32) * scale_2
-    y = (blocks / divisor[..., None]).clamp(-E2M1_MAX, E2M1_MAX)
-    codes = e2m1_codes(y).view(rows, cols)
-    return pack_nibbles(codes).contiguous(), block_scale.contiguous(), scale_2
+    packed = torch.empty((rows, cols // 2), dtype=torch.uint8)
+    block_scale = torch.empty((rows, cols // GROUP), dtype=torch.float8_e4m3fn)
+    # A few hundred thousand elements per step keep the fp32 scratch in cache.
+    step = max(1, _ELEMENTS_PER_STEP // max(cols, 1))
+    for r in range(0, rows, step):
+        chunk = weight[r : r + step].to(torch.float32, copy=True).view(-1, GROUP)
+        codes, scales = encode_groups(chunk, scale_2)
+        packed[r : r + step] = codes.view(-1, cols // 2)
+        block_scale[r : r + step] = scales.view(-1, cols // GROUP)
+    return packed, block_scale, scale_2
 
 
 def dequantize_nvfp4(

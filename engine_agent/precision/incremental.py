@@ -1,0 +1,337 @@
+"""Incremental conversion: the next version's FP8/NVFP4 checkpoint from the previous one.
+
+Owns `IncrementalConverter`, which keeps, for one engine precision, the converted tensors
+of the last version it produced plus small per-tile state, and turns the next version into
+exactly the bytes `convert_tensors` would write, touching only what the change requires:
+
+- FP8 128×128 blocks: an element's code depends on its value and its tile's scale
+  (amax/448). A tile is requantized whole when a changed element exceeds its amax, when a
+  changed element may have held the amax (its previous code was ±448, the only code the
+  amax element can have while the scale is a normal float) or when its scale is not a
+  normal float; elsewhere only the changed elements are recoded.
+- NVFP4: codes depend on the 16-element group's scale and the fused group's global amax
+  (`weight_scale_2`, shared by q/k/v and gate/up). Only the 16-element groups holding a
+  change are requantized. The global amax changes when a changed element exceeds it, or
+  when a group that may have held it (its previous scale was 448) changes: the amax is then
+  measured again, and if it moved, the fused group is converted in full.
+
+Everything else falls back to a full conversion: no previous state (boot, restart, a jump
+from an anchor), a different tensor set or layout, another set of input scales, or a tensor
+whose change is dense (more than `dense_fraction` of its elements). Elements are recoded
+with the same functions and the same fp32 operations as a full conversion
+(`fp8.encode`, `nvfp4.encode_groups`), which is what makes the result bit-identical.
+
+State kept between versions: the converted checkpoint itself (updated in place, so at most
+one copy besides the staged folder on disk), one fp32 amax per FP8 tile (1/16384 of the
+weights) and one float per NVFP4 fused group. A conversion that raises leaves no state, so
+the next one is full. Must never write into the caller's canonical tensors.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from engine_agent.precision import fp8, nvfp4
+from engine_agent.precision.convert import convert_tensors
+from engine_agent.precision.plan import QuantPlan, check_precision, plan_quantization
+
+log = logging.getLogger(__name__)
+
+# Above this share of changed elements a tensor is converted in full: recoding scattered
+# elements costs several times more per element than a streaming conversion.
+DENSE_FRACTION = 0.2
+# Smallest normal fp32: below it a scale loses precision and the "amax element codes to
+# ±448" rule no longer holds, so such tiles are always requantized whole.
+_MIN_NORMAL = 2.0**-126
+# The E4M3 byte of +448 with the sign bit masked off; -448 is 0xFE.
+_E4M3_448 = 0x7E
+
+
+@dataclass(frozen=True)
+class ConversionReport:
+    """What one conversion did: full or incremental, and how much it touched."""
+
+    full: bool
+    reason: str
+    tensors_changed: int = 0
+    elements_changed: int = 0
+    tiles_requantized: int = 0
+    groups_converted_in_full: int = 0
+
+
+@dataclass
+class _Fp8Tensor:
+    q: torch.Tensor  # float8_e4m3fn [N, K]
+    scale: torch.Tensor  # fp32 [⌈N/128⌉, ⌈K/128⌉]
+    amax: torch.Tensor  # fp32, same shape
+
+
+@dataclass
+class _Nvfp4Group:
+    members: tuple[str, ...]
+    global_amax: float
+    scale_2: torch.Tensor
+
+
+@dataclass
+class _State:
+    plan: QuantPlan
+    layout: dict[str, tuple[torch.dtype, tuple[int, ...]]]
+    input_scales: dict[str, float] | None
+    source_config: dict
+    out: dict[str, torch.Tensor]
+    config: dict
+    extra: dict[str, dict]
+    fp8: dict[str, _Fp8Tensor] = field(default_factory=dict)
+    nvfp4: dict[str, _Nvfp4Group] = field(default_factory=dict)  # keyed by first member
+
+
+def changed_positions(old: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """Sorted flat indices (int64) where two same-sized element arrays differ, bit for bit.
+
+    Compares 8-byte words first, so a sparse change costs one pass over both buffers.
+    """
+    if old.shape != new.shape or old.dtype != new.dtype:
+        raise ValueError(f"cannot diff {old.dtype}{old.shape} against {new.dtype}{new.shape}")
+    old_b, new_b = old.reshape(-1).view(np.uint8), new.reshape(-1).view(np.uint8)
+    per_word = 8 // old.itemsize if old.itemsize <= 8 else 1
+    whole = (old_b.size // 8) * 8
+    words = np.flatnonzero(old_b[:whole].view(np.uint64) != new_b[:whole].view(np.uint64))
+    candidates = (words[:, None] * per_word + np.arange(per_word)).reshape(-1)
+    tail = np.arange(whole // old.itemsize, old.size, dtype=np.int64)
+    candidates = np.concatenate([candidates, tail]) if tail.size else candidates
+    old_e, new_e = old.reshape(-1), new.reshape(-1)
+    return candidates[old_e[candidates] != new_e[candidates]].astype(np.int64, copy=False)
+
+
+def _layout(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.dtype, tuple]]:
+    return {name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()}
+
+
+class IncrementalConverter:
+    """Converts successive versions of one checkpoint to one precision, incrementally."""
+
+    def __init__(self, precision: str, dense_fraction: float = DENSE_FRACTION) -> None:
+        self.precision = check_precision(precision)
+        self.dense_fraction = dense_fraction
+        self._state: _State | None = None
+
+    @property
+    def has_state(self) -> bool:
+        return self._state is not None
+
+    def reset(self) -> None:
+        """Forget the previous version: the next conversion is full."""
+        self._state = None
+
+    def convert(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        config: dict,
+        changes: Mapping[str, np.ndarray] | None,
+        input_scales: Mapping[str, float] | None = None,
+    ) -> tuple[dict[str, torch.Tensor], dict, dict[str, dict], ConversionReport]:
+        """`convert_tensors`' result for `tensors`, from the previous version plus `changes`.
+
+        `changes` maps each tensor that differs from the previously converted version to
+        the sorted flat indices of its changed elements; tensors it does not name are
+        unchanged. None means "unknown": the conversion is full. The returned tensors are
+        the converter's state and change in place at the next call: write them out first.
+        """
+        scales = dict(input_scales) if input_scales is not None else None
+        state = self._state
+        reason = self._full_reason(state, tensors, config, changes, scales)
+        self._state = None  # an exception below must leave no half-updated state
+        if reason is not None:
+            out, out_config, extra = convert_tensors(tensors, config, self.precision, scales)
+            self._state = self._fresh_state(tensors, config, scales, out, out_config, extra)
+            return out, out_config, extra, ConversionReport(full=True, reason=reason)
+        assert state is not None and changes is not None
+        report = self._apply(state, tensors, changes)
+        self._state = state
+        return dict(state.out), state.config, state.extra, report
+
+    # ---- deciding ------------------------------------------------------------------------
+
+    def _full_reason(
+        self,
+        state: _State | None,
+        tensors: Mapping[str, torch.Tensor],
+        config: dict,
+        changes: Mapping[str, np.ndarray] | None,
+        scales: dict[str, float] | None,
+    ) -> str | None:
+        if self.precision == "bf16":
+            return "bf16 needs no conversion state"
+        if state is None:
+            return "no previous version converted"
+        if changes is None:
+            return "changed positions unknown"
+        if _layout(tensors) != state.layout:
+            return "tensor names, dtypes or shapes changed"
+        if scales != state.input_scales:
+            return "input scales changed"
+        if config != state.source_config:
+            return "config changed"
+        if any(name not in tensors for name in changes):
+            return "changes name a tensor the checkpoint lacks"
+        return None
+
+    def _fresh_state(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        config: dict,
+        scales: dict[str, float] | None,
+        out: dict[str, torch.Tensor],
+        out_config: dict,
+        extra: dict[str, dict],
+    ) -> _State | None:
+        if self.precision == "bf16":
+            return None
+        plan = plan_quantization(dict(tensors), self.precision)
+        source = copy.deepcopy(config)
+        state = _State(plan, _layout(tensors), scales, source, dict(out), out_config, extra)
+        if self.precision == "fp8":
+            for module in plan.quantized:
+                weight = tensors[f"{module}.weight"]
+                q, scale = out[f"{module}.weight"], out[f"{module}.weight_scale_inv"]
+                state.fp8[module] = _Fp8Tensor(q, scale, fp8.block_amax(weight))
+        else:
+            for group in plan.groups:
+                amax = max(nvfp4.tensor_amax(tensors[f"{m}.weight"]) for m in group)
+                scale_2 = out[f"{group[0]}.weight_scale_2"]
+                state.nvfp4[group[0]] = _Nvfp4Group(tuple(group), amax, scale_2)
+        return state
+
+    # ---- applying ------------------------------------------------------------------------
+
+    def _apply(
+        self, state: _State, tensors: Mapping[str, torch.Tensor], changes: Mapping[str, np.ndarray]
+    ) -> ConversionReport:
+        quantized = {f"{m}.weight" for m in state.plan.quantized}
+        touched = {name: pos for name, pos in changes.items() if len(pos)}
+        for name, tensor in tensors.items():
+            if name not in quantized:
+                # Kept BF16: always the new object, so no old version stays referenced.
+                state.out[name] = tensor
+        tiles = full_groups = 0
+        if self.precision == "fp8":
+            for module in state.plan.quantized:
+                positions = touched.get(f"{module}.weight")
+                if positions is not None:
+                    tiles += self._fp8_tensor(state, module, tensors[f"{module}.weight"], positions)
+        else:
+            for group in state.plan.groups:
+                if any(f"{m}.weight" in touched for m in group):
+                    full_groups += self._nvfp4_group(state, group, tensors, touched)
+        return ConversionReport(
+            full=False,
+            reason="incremental",
+            tensors_changed=len(touched),
+            elements_changed=sum(len(p) for p in touched.values()),
+            tiles_requantized=tiles,
+            groups_converted_in_full=full_groups,
+        )
+
+    def _fp8_tensor(
+        self, state: _State, module: str, weight: torch.Tensor, positions: np.ndarray
+    ) -> int:
+        """Update one FP8 tensor in place; return the number of tiles requantized whole."""
+        entry = state.fp8[module]
+        cols = weight.shape[1]
+        if len(positions) > self.dense_fraction * weight.numel():
+            q, scale = fp8.quantize_fp8_block(weight)
+            entry.q.copy_(q)
+            entry.scale.copy_(scale)
+            entry.amax.copy_(fp8.block_amax(weight))
+            return int(entry.scale.numel())
+        block = fp8.BLOCK
+        pos = torch.from_numpy(positions)
+        row, col = pos // cols, pos % cols
+        tiles_per_row = entry.scale.shape[1]
+        tile = (row // block) * tiles_per_row + col // block
+        values = weight.reshape(-1)[pos].to(torch.float32)
+        amax = entry.amax.view(-1)
+        old_codes = entry.q.view(-1).view(torch.uint8)[pos]
+        tile_amax = amax[tile]
+        fragile = ~((amax >= _MIN_NORMAL * fp8.E4M3_MAX) & torch.isfinite(amax))
+        whole = (
+            (values.abs() > tile_amax)
+            | ((old_codes & 0x7F) == _E4M3_448)
+            | (fragile[tile] & (tile_amax > 0))
+        )
+        redo = torch.unique(tile[whole]) if bool(whole.any()) else tile[:0]
+        if len(redo):
+            flagged = torch.zeros(amax.numel(), dtype=torch.bool)
+            flagged[redo] = True
+            keep = ~flagged[tile]
+            pos, tile, values = pos[keep], tile[keep], values[keep]
+        q_flat = entry.q.view(-1)
+        q_flat[pos] = fp8.encode(values, entry.scale.view(-1)[tile])
+        for t in redo.tolist():
+            r0, c0 = (t // tiles_per_row) * block, (t % tiles_per_row) * block
+            q, scale = fp8.quantize_fp8_block(weight[r0 : r0 + block, c0 : c0 + block])
+            entry.q[r0 : r0 + block, c0 : c0 + block] = q
+            entry.scale.view(-1)[t] = scale.reshape(())
+            amax[t] = fp8.block_amax(weight[r0 : r0 + block, c0 : c0 + block]).reshape(())
+        return len(redo)
+
+    def _nvfp4_group(
+        self,
+        state: _State,
+        group: tuple[str, ...],
+        tensors: Mapping[str, torch.Tensor],
+        touched: Mapping[str, np.ndarray],
+    ) -> int:
+        """Update one fused NVFP4 group in place; return 1 if it was converted in full."""
+        entry = state.nvfp4[group[0]]
+        weights = {m: tensors[f"{m}.weight"] for m in group}
+        work: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        needs_full = not float(entry.scale_2) >= _MIN_NORMAL
+        maybe_lost_max = False
+        for module in group:
+            positions = touched.get(f"{module}.weight")
+            if positions is None:
+                continue
+            weight = weights[module]
+            if len(positions) > self.dense_fraction * weight.numel():
+                needs_full = True
+                break
+            pos = torch.from_numpy(positions)
+            if nvfp4.tensor_amax(weight.reshape(-1)[pos]) > entry.global_amax:
+                needs_full = True
+                break
+            groups = torch.unique_consecutive(pos // nvfp4.GROUP)
+            old_scales = state.out[f"{module}.weight_scale"].view(-1).view(torch.uint8)[groups]
+            maybe_lost_max |= bool(((old_scales & 0x7F) == _E4M3_448).any())
+            work[module] = (groups, weight)
+        if not needs_full and maybe_lost_max:
+            amax = max(nvfp4.tensor_amax(w) for w in weights.values())
+            needs_full = amax != entry.global_amax
+        if needs_full:
+            self._nvfp4_group_full(state, entry, weights)
+            return 1
+        for module, (groups, weight) in work.items():
+            values = weight.reshape(-1, nvfp4.GROUP)[groups].to(torch.float32)
+            codes, scales = nvfp4.encode_groups(values, entry.scale_2)
+            state.out[f"{module}.weight"].view(-1, nvfp4.GROUP // 2)[groups] = codes
+            state.out[f"{module}.weight_scale"].view(-1)[groups] = scales
+        return 0
+
+    def _nvfp4_group_full(
+        self, state: _State, entry: _Nvfp4Group, weights: Mapping[str, torch.Tensor]
+    ) -> None:
+        amax = max(nvfp4.tensor_amax(w) for w in weights.values())
+        for module, weight in weights.items():
+            packed, block_scale, scale_2 = nvfp4.quantize_nvfp4(weight, amax)
+            state.out[f"{module}.weight"] = packed
+            state.out[f"{module}.weight_scale"] = block_scale
+            state.out[f"{module}.weight_scale_2"] = scale_2
+        entry.global_amax = amax
+        entry.scale_2 = state.out[f"{entry.members[0]}.weight_scale_2"]

@@ -1,0 +1,229 @@
+"""Incremental FP8/NVFP4 conversion writes exactly the bytes a full conversion writes.
+
+Each property draws a chain of updates to a small Qwen3-shaped checkpoint (tiles cut by
+the tensor edge included), converts every version incrementally from the previous one and
+compares every tensor, scale and config file with a full conversion of the same tensors.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine_agent.precision import convert_tensors, plan_quantization
+from engine_agent.precision.incremental import IncrementalConverter, changed_positions
+
+HIDDEN = 160  # not a multiple of 128: FP8 tiles cut by the edge; a multiple of 16 for NVFP4
+SHAPES = {
+    "model.embed_tokens.weight": (96, HIDDEN),
+    "model.layers.0.input_layernorm.weight": (HIDDEN,),
+    "model.layers.0.self_attn.q_proj.weight": (256, HIDDEN),
+    "model.layers.0.self_attn.k_proj.weight": (64, HIDDEN),
+    "model.layers.0.self_attn.v_proj.weight": (64, HIDDEN),
+    "model.layers.0.self_attn.o_proj.weight": (HIDDEN, 256),
+    "model.layers.0.mlp.gate_proj.weight": (288, HIDDEN),
+    "model.layers.0.mlp.up_proj.weight": (288, HIDDEN),
+    "model.layers.0.mlp.down_proj.weight": (HIDDEN, 288),
+    "model.norm.weight": (HIDDEN,),
+    "lm_head.weight": (96, HIDDEN),
+}
+CONFIG = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": HIDDEN, "vocab_size": 96}
+BF16_MAX = float(torch.finfo(torch.bfloat16).max)
+LINEARS = [n for n in SHAPES if "proj" in n]
+
+
+def checkpoint(seed: int = 0) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        name: (torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16)
+        for name, shape in SHAPES.items()
+    }
+
+
+def input_scales() -> dict[str, float]:
+    plan = plan_quantization(checkpoint(), "nvfp4")
+    return dict.fromkeys(plan.quantized, 0.5)
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(
+            a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)
+        )
+    )
+
+
+def assert_identical_to_full(converter_out, tensors, precision, scales) -> None:
+    out, config, extra, _ = converter_out
+    full, full_config, full_extra = convert_tensors(tensors, CONFIG, precision, scales)
+    assert sorted(out) == sorted(full)
+    different = [n for n in full if not same_bytes(out[n], full[n])]
+    assert not different, f"incremental differs from full in {different}"
+    assert config == full_config
+    assert extra == full_extra
+
+
+def diff(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    changes = {}
+    for name in new:
+        old_bits = old[name].view(-1).view(torch.int16).numpy()
+        positions = changed_positions(old_bits, new[name].view(-1).view(torch.int16).numpy())
+        if positions.size:
+            changes[name] = positions
+    return changes
+
+
+# -- updates -----------------------------------------------------------------------------
+
+KINDS = ("random", "tile_max_down", "tile_max_up", "sign_flip", "zero", "extreme", "global_max")
+
+
+def apply_update(
+    tensors: dict[str, torch.Tensor], kind: str, name: str, count: int, rng: np.random.Generator
+) -> None:
+    """Change `count` elements of `tensors[name]` in place, the way `kind` says."""
+    flat = tensors[name].view(-1)
+    values = flat.to(torch.float32)
+    n = flat.numel()
+    if kind == "random":
+        idx = torch.from_numpy(rng.choice(n, size=min(count, n), replace=False))
+        flat[idx] = (values[idx] + torch.from_numpy(rng.normal(0, 1e-3, len(idx))).float()).to(
+            torch.bfloat16
+        )
+    elif kind in ("tile_max_down", "tile_max_up", "sign_flip"):
+        # The largest elements: FP8 tile and NVFP4 group maxima live among them.
+        idx = torch.topk(values.abs(), min(count, n)).indices
+        factor = {"tile_max_down": 0.25, "tile_max_up": 3.0, "sign_flip": -1.0}[kind]
+        flat[idx] = (values[idx] * factor).to(torch.bfloat16)
+    elif kind == "zero":
+        idx = torch.from_numpy(rng.choice(n, size=min(count, n), replace=False))
+        signs = torch.from_numpy(rng.choice([1.0, -1.0], size=len(idx))).float()
+        flat[idx] = (signs * 0.0).to(torch.bfloat16)  # +0 and -0
+    elif kind == "extreme":
+        idx = torch.from_numpy(rng.choice(n, size=min(count, n), replace=False))
+        choices = [BF16_MAX, -BF16_MAX, 1e-40, -1e-40, 1e30, 6e-39, 448.0, 2688.0]
+        picked = torch.tensor([choices[i] for i in rng.integers(0, len(choices), len(idx))])
+        flat[idx] = picked.to(torch.bfloat16)
+    elif kind == "global_max":
+        idx = values.abs().argmax().reshape(1)
+        flat[idx] = (values[idx] * float(rng.choice([0.1, 1.5, -1.0]))).to(torch.bfloat16)
+    else:
+        raise AssertionError(kind)
+
+
+update = st.tuples(
+    st.sampled_from(KINDS),
+    st.sampled_from([*LINEARS, "model.norm.weight", "lm_head.weight"]),
+    st.integers(min_value=1, max_value=40),
+)
+
+
+@pytest.mark.parametrize("precision", ["fp8", "nvfp4"])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    chain=st.lists(st.lists(update, min_size=1, max_size=4), min_size=1, max_size=4),
+    seed=st.integers(0, 2**16),
+)
+def test_incremental_conversion_is_bit_identical_to_full_over_a_chain_of_updates(
+    precision: str, chain: list, seed: int
+) -> None:
+    rng = np.random.default_rng(seed)
+    scales = input_scales() if precision == "nvfp4" else None
+    converter = IncrementalConverter(precision)
+    tensors = checkpoint(seed)
+    first = converter.convert(tensors, CONFIG, None, scales)
+    assert first[3].full
+    assert_identical_to_full(first, tensors, precision, scales)
+    for step in chain:
+        new = {name: t.clone() for name, t in tensors.items()}
+        for kind, name, count in step:
+            apply_update(new, kind, name, count, rng)
+        result = converter.convert(new, CONFIG, diff(tensors, new), scales)
+        assert_identical_to_full(result, new, precision, scales)
+        tensors = new
+
+
+@pytest.mark.parametrize("precision", ["fp8", "nvfp4"])
+def test_a_sparse_update_is_converted_incrementally(precision: str) -> None:
+    scales = input_scales() if precision == "nvfp4" else None
+    converter = IncrementalConverter(precision)
+    tensors = checkpoint()
+    converter.convert(tensors, CONFIG, None, scales)
+    new = {name: t.clone() for name, t in tensors.items()}
+    rng = np.random.default_rng(1)
+    apply_update(new, "random", "model.layers.0.mlp.down_proj.weight", 30, rng)
+    result = converter.convert(new, CONFIG, diff(tensors, new), scales)
+    assert not result[3].full
+    assert result[3].tensors_changed == 1 and result[3].groups_converted_in_full == 0
+    assert_identical_to_full(result, new, precision, scales)
+
+
+def test_raising_the_global_amax_of_a_fused_group_converts_the_group_in_full() -> None:
+    scales = input_scales()
+    converter = IncrementalConverter("nvfp4")
+    tensors = checkpoint()
+    converter.convert(tensors, CONFIG, None, scales)
+    new = {name: t.clone() for name, t in tensors.items()}
+    new["model.layers.0.self_attn.k_proj.weight"][3, 5] = 1.0  # far above every q/k/v value
+    result = converter.convert(new, CONFIG, diff(tensors, new), scales)
+    assert result[3].groups_converted_in_full == 1
+    q_scale = result[0]["model.layers.0.self_attn.q_proj.weight_scale_2"]
+    assert float(q_scale) == pytest.approx(1.0 / 2688)  # q follows k's new amax
+    assert_identical_to_full(result, new, "nvfp4", scales)
+
+
+def test_positions_that_did_not_change_are_harmless() -> None:
+    # A fold may report the union of several deltas' positions, some of them reverted.
+    converter = IncrementalConverter("fp8")
+    tensors = checkpoint()
+    converter.convert(tensors, CONFIG, None)
+    name = "model.layers.0.self_attn.o_proj.weight"
+    superset = {name: np.arange(0, tensors[name].numel(), 7, dtype=np.int64)}
+    result = converter.convert(tensors, CONFIG, superset)
+    assert not result[3].full
+    assert_identical_to_full(result, tensors, "fp8", None)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "reason"),
+    [
+        (lambda c, t, s: (t, CONFIG, None, s), "changed positions unknown"),
+        (lambda c, t, s: (t, {**CONFIG, "vocab_size": 97}, {}, s), "config changed"),
+        (
+            lambda c, t, s: ({**t, "extra.weight": torch.zeros(2)}, CONFIG, {}, s),
+            "tensor names, dtypes or shapes changed",
+        ),
+    ],
+)
+def test_conversion_falls_back_to_full_when_the_state_cannot_be_trusted(mutate, reason) -> None:
+    converter = IncrementalConverter("fp8")
+    tensors = checkpoint()
+    assert converter.convert(tensors, CONFIG, {}, None)[3].reason == "no previous version converted"
+    result = converter.convert(*mutate(converter, tensors, None))
+    assert result[3].full and result[3].reason == reason
+
+
+def test_a_failed_conversion_leaves_no_state_so_the_next_one_is_full() -> None:
+    converter = IncrementalConverter("fp8")
+    tensors = checkpoint()
+    converter.convert(tensors, CONFIG, None)
+    bogus = {"model.layers.0.self_attn.q_proj.weight": np.array([10**9], dtype=np.int64)}
+    with pytest.raises(IndexError):
+        converter.convert(tensors, CONFIG, bogus)
+    assert not converter.has_state
+    assert converter.convert(tensors, CONFIG, {})[3].full
+
+
+def test_changed_positions_finds_every_differing_element_including_signed_zeros() -> None:
+    rng = np.random.default_rng(0)
+    old = rng.integers(0, 2**16, size=1003, dtype=np.uint16)  # not a multiple of 4 elements
+    new = old.copy()
+    picked = np.array([0, 3, 4, 500, 999, 1000, 1002])
+    new[picked] ^= 0x8000  # a sign flip, +0 ↔ -0 included
+    assert changed_positions(old, new).tolist() == picked.tolist()
+    assert changed_positions(old, old).size == 0
