@@ -6,6 +6,11 @@ engine's precision (BF16 as is, FP8 128×128 blocks or NVFP4 through
 and its tokenizer/generation files. A folder is written under a temporary name and renamed
 into place, so the engine is never pointed at a half-written checkpoint.
 
+Conversion is incremental between versions (`engine_agent.precision.incremental`): the
+stager keeps the last converted version and converts the next one from the positions that
+changed, bit-identical to a full conversion; the staged folder's checksums are logged so
+that identity can be checked across agents and versions.
+
 NVFP4 `input_scale`s come from the boot checkpoint when it is NVFP4, else they are
 calibrated once from the boot checkpoint's BF16 weights: a function of the boot model alone,
 so every agent of a precision class writes identical bytes for a version. Must never talk to
@@ -19,7 +24,7 @@ import logging
 import shutil
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine_agent.errors import StageFailed
@@ -40,17 +45,29 @@ class StagedCheckpoint:
     convert_s: float
     write_s: float
     bytes_written: int
+    conversion: str = "full"  # "incremental", or "full" and why
+    checksums: dict[str, str] = field(default_factory=dict)
 
 
 class Stager:
     """Writes staged folders for one engine precision from canonical tensors."""
 
-    def __init__(self, work_dir: Path, precision: str, boot_model: Path | None) -> None:
+    def __init__(
+        self,
+        work_dir: Path,
+        precision: str,
+        boot_model: Path | None,
+        *,
+        incremental: bool = True,
+    ) -> None:
+        from engine_agent.precision.incremental import VersionConverter
+
         self.root = Path(work_dir) / STAGED_DIR
         self.precision = precision
         self.boot_model = boot_model
         self._config: dict | None = None
         self._input_scales: dict[str, float] | None = None
+        self._converter = VersionConverter(precision, incremental=incremental)
 
     def _boot_config(self) -> dict:
         from engine_agent.precision.checkpoint import read_config
@@ -97,18 +114,26 @@ class Stager:
 
     def stage(self, version: int, tensors: Mapping[str, RawTensor]) -> StagedCheckpoint:
         """Convert and write `tensors` (canonical, of `version`); return the staged folder."""
-        from engine_agent.precision import convert_tensors
-        from engine_agent.precision.checkpoint import copy_side_files, write_safetensors_folder
+        from engine_agent.precision.checkpoint import (
+            copy_side_files,
+            folder_checksums,
+            write_safetensors_folder,
+        )
         from store.torch_bridge import raw_to_state_dict
 
         started = time.perf_counter()
         config = self._boot_config()
-        state = raw_to_state_dict(tensors)
         try:
-            scales = self.input_scales(state) if self.precision == "nvfp4" else None
-            out_tensors, out_config, extra = convert_tensors(state, config, self.precision, scales)
-        except (ValueError, KeyError, RuntimeError) as exc:
+            scales = None
+            if self.precision == "nvfp4":
+                # Torch copies of the tensors only the first time, if calibration needs them.
+                scales = self._input_scales or self.input_scales(raw_to_state_dict(tensors))
+            out_tensors, out_config, extra, report = self._converter.convert(
+                tensors, config, scales
+            )
+        except (ValueError, KeyError, IndexError, RuntimeError) as exc:
             raise StageFailed(f"converting v{version} to {self.precision} failed: {exc}") from exc
+        conversion = "incremental" if not report.full else f"full ({report.reason})"
         convert_s = time.perf_counter() - started
         started = time.perf_counter()
         final = self.folder_for(version)
@@ -123,21 +148,27 @@ class Stager:
                 (scratch / name).write_text(json.dumps(body, indent=2, sort_keys=True) + "\n")
             if self.boot_model is not None:
                 copy_side_files(self.boot_model, scratch)
+            checksums = folder_checksums(scratch)
             shutil.rmtree(final, ignore_errors=True)
             scratch.rename(final)
         except OSError as exc:
+            self._converter.converter.reset()  # its tensors may not match any folder now
             shutil.rmtree(scratch, ignore_errors=True)
             raise StageFailed(f"writing the staged folder {final} failed: {exc}") from exc
         write_s = time.perf_counter() - started
         log.info(
-            "staged v%d as %s in %s (convert %.2fs, write %.2fs)",
+            "staged v%d as %s in %s (convert %.2fs, %s; write %.2fs); checksums %s",
             version,
             self.precision,
             final,
             convert_s,
+            conversion,
             write_s,
+            " ".join(f"{name}={digest}" for name, digest in sorted(checksums.items())),
         )
-        return StagedCheckpoint(version, self.precision, final, convert_s, write_s, size)
+        return StagedCheckpoint(
+            version, self.precision, final, convert_s, write_s, size, conversion, checksums
+        )
 
     def prune(self, keep: set[int]) -> None:
         """Delete staged folders of versions not in `keep` (the served and the next)."""

@@ -7,6 +7,8 @@ mismatch (callers raise `ChecksumMismatch`).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import xxhash
 
@@ -18,3 +20,12 @@ def tensor_checksum(data: np.ndarray | bytes | bytearray | memoryview) -> str:
     if isinstance(data, np.ndarray) and not data.flags.c_contiguous:
         data = np.ascontiguousarray(data)
     return xxhash.xxh3_128_hexdigest(data)
+
+
+def file_checksum(path: str | Path, chunk_bytes: int = 8 << 20) -> str:
+    """xxh3-128 hex digest of a file's bytes, read in chunks."""
+    digest = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()

@@ -44,6 +44,17 @@ def write_safetensors_folder(out: Path, tensors: dict[str, torch.Tensor]) -> int
     return size
 
 
+def folder_checksums(folder: str | Path) -> dict[str, str]:
+    """xxh3-128 of every file directly in `folder`, by file name.
+
+    Two agents that staged the same version at the same precision log the same digests;
+    an incremental and a full conversion of one version do too.
+    """
+    from store.checksum import file_checksum
+
+    return {p.name: file_checksum(p) for p in sorted(Path(folder).iterdir()) if p.is_file()}
+
+
 def read_config(folder: str | Path) -> dict:
     """The folder's config.json as a dict."""
     path = Path(folder) / "config.json"

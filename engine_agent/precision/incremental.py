@@ -40,6 +40,7 @@ import torch
 from engine_agent.precision import fp8, nvfp4
 from engine_agent.precision.convert import convert_tensors
 from engine_agent.precision.plan import QuantPlan, check_precision, plan_quantization
+from store.tensors import RawTensor
 
 log = logging.getLogger(__name__)
 
@@ -335,3 +336,49 @@ class IncrementalConverter:
             state.out[f"{module}.weight_scale_2"] = scale_2
         entry.global_amax = amax
         entry.scale_2 = state.out[f"{entry.members[0]}.weight_scale_2"]
+
+
+class VersionConverter:
+    """`IncrementalConverter` fed with canonical `RawTensor`s, as the agent holds them.
+
+    Finds what changed by identity first (the fold returns the base's own object for every
+    tensor no delta touched) and by a word-wise bit comparison otherwise, and reuses the
+    torch view of every unchanged tensor. Holds references to the last converted version's
+    canonical tensors, which the agent holds anyway as the base of its next catch-up.
+    """
+
+    def __init__(self, precision: str, *, incremental: bool = True) -> None:
+        self.converter = IncrementalConverter(precision)
+        self.incremental = incremental
+        self._previous: dict[str, tuple[RawTensor, torch.Tensor]] = {}
+
+    def convert(
+        self,
+        tensors: Mapping[str, RawTensor],
+        config: dict,
+        input_scales: Mapping[str, float] | None = None,
+    ) -> tuple[dict[str, torch.Tensor], dict, dict[str, dict], ConversionReport]:
+        from store.torch_bridge import to_torch
+
+        previous, self._previous = self._previous, {}
+        changes: dict[str, np.ndarray] | None = {} if self.incremental and previous else None
+        state: dict[str, torch.Tensor] = {}
+        for name, raw in tensors.items():
+            before = previous.get(name)
+            if before is not None and before[0] is raw:
+                state[name] = before[1]
+                continue
+            state[name] = to_torch(raw)
+            if changes is None:
+                continue
+            if before is None or not before[0].same_layout(raw):
+                changes = None
+                continue
+            positions = changed_positions(before[0].bits(), raw.bits())
+            if positions.size:
+                changes[name] = positions
+        if self.converter.precision != "bf16" and not self.incremental:
+            self.converter.reset()
+        result = self.converter.convert(state, config, changes, input_scales)
+        self._previous = {name: (raw, state[name]) for name, raw in tensors.items()}
+        return result

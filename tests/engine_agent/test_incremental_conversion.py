@@ -227,3 +227,47 @@ def test_changed_positions_finds_every_differing_element_including_signed_zeros(
     new[picked] ^= 0x8000  # a sign flip, +0 ↔ -0 included
     assert changed_positions(old, new).tolist() == picked.tolist()
     assert changed_positions(old, old).size == 0
+
+
+# -- the stager --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("precision", ["fp8", "nvfp4"])
+def test_staged_folders_of_incremental_and_full_conversion_have_the_same_checksums(
+    tiny, tmp_path, precision: str, caplog
+) -> None:
+    from bench.refit import training_step
+    from engine_agent.precision.checkpoint import folder_checksums, read_tensors
+    from engine_agent.staging import Stager
+    from store.torch_bridge import state_dict_to_raw
+
+    v0 = state_dict_to_raw(read_tensors(tiny.bf16))
+    v1 = training_step(v0, seed=1, fraction=0.01)
+    # Untouched tensors arrive as the same objects, as the fold returns them.
+    v1 = {name: v0[name] if name.endswith("norm.weight") else t for name, t in v1.items()}
+    following = Stager(tmp_path / "following", precision, tiny.bf16)
+    following.stage(0, v0)
+    with caplog.at_level("INFO", logger="engine_agent.staging"):
+        incremental = following.stage(1, v1)
+    fresh = Stager(tmp_path / "fresh", precision, tiny.bf16, incremental=False)
+    full = fresh.stage(1, v1)
+    assert incremental.conversion == "incremental"
+    assert full.conversion.startswith("full")
+    assert incremental.checksums == full.checksums == folder_checksums(full.path)
+    assert set(incremental.checksums) >= {"model.safetensors", "config.json"}
+    # The log line proves identity without the folders at hand.
+    assert incremental.checksums["model.safetensors"] in caplog.text
+
+
+def test_a_stager_without_incremental_conversion_converts_every_version_in_full(
+    tiny, tmp_path
+) -> None:
+    from bench.refit import training_step
+    from engine_agent.precision.checkpoint import read_tensors
+    from engine_agent.staging import Stager
+    from store.torch_bridge import state_dict_to_raw
+
+    v0 = state_dict_to_raw(read_tensors(tiny.bf16))
+    stager = Stager(tmp_path, "fp8", tiny.bf16, incremental=False)
+    stager.stage(0, v0)
+    assert stager.stage(1, training_step(v0, seed=1, fraction=0.01)).conversion.startswith("full")
