@@ -254,20 +254,17 @@ class IncrementalConverter:
             return int(entry.scale.numel())
         block = fp8.BLOCK
         pos = torch.from_numpy(positions)
-        row, col = pos // cols, pos % cols
         tiles_per_row = entry.scale.shape[1]
-        tile = (row // block) * tiles_per_row + col // block
+        tile = (pos // (cols * block)) * tiles_per_row + (pos % cols) // block
         values = weight.reshape(-1)[pos].to(torch.float32)
         amax = entry.amax.view(-1)
-        old_codes = entry.q.view(-1).view(torch.uint8)[pos]
         tile_amax = amax[tile]
-        fragile = ~((amax >= _MIN_NORMAL * fp8.E4M3_MAX) & torch.isfinite(amax))
-        whole = (
-            (values.abs() > tile_amax)
-            | ((old_codes & 0x7F) == _E4M3_448)
-            | (fragile[tile] & (tile_amax > 0))
-        )
-        redo = torch.unique(tile[whole]) if bool(whole.any()) else tile[:0]
+        old_codes = entry.q.view(-1).view(torch.uint8)[pos]
+        whole = (values.abs() > tile_amax) | ((old_codes & 0x7F) == _E4M3_448)
+        # A tile whose scale is not a normal float (tiny or non-finite amax) is redone whole.
+        whole |= (tile_amax < _MIN_NORMAL * fp8.E4M3_MAX) & (tile_amax > 0)
+        whole |= ~torch.isfinite(tile_amax)
+        redo = torch.unique(tile[whole])
         if len(redo):
             flagged = torch.zeros(amax.numel(), dtype=torch.bool)
             flagged[redo] = True
@@ -275,12 +272,15 @@ class IncrementalConverter:
             pos, tile, values = pos[keep], tile[keep], values[keep]
         q_flat = entry.q.view(-1)
         q_flat[pos] = fp8.encode(values, entry.scale.view(-1)[tile])
+        scale_flat = entry.scale.view(-1)
         for t in redo.tolist():
             r0, c0 = (t // tiles_per_row) * block, (t % tiles_per_row) * block
-            q, scale = fp8.quantize_fp8_block(weight[r0 : r0 + block, c0 : c0 + block])
+            part = weight[r0 : r0 + block, c0 : c0 + block]
+            tile_max = fp8.block_amax(part)
+            q, scale = fp8.quantize_fp8_block(part)
             entry.q[r0 : r0 + block, c0 : c0 + block] = q
-            entry.scale.view(-1)[t] = scale.reshape(())
-            amax[t] = fp8.block_amax(weight[r0 : r0 + block, c0 : c0 + block]).reshape(())
+            scale_flat[t] = scale.reshape(())
+            amax[t] = tile_max.reshape(())
         return len(redo)
 
     def _nvfp4_group(

@@ -91,7 +91,7 @@ def encode_groups(groups: torch.Tensor, scale_2: torch.Tensor) -> tuple[torch.Te
     The one place values meet scales, shared by full and incremental conversion so that
     both run the same fp32 operations. Writes into `groups` (the caller's scratch).
     """
-    group_amax = torch.maximum(groups.amax(dim=-1), groups.amin(dim=-1).neg_())
+    group_amax = groups.abs().amax(dim=-1)
     block_scale = group_scales(group_amax, scale_2)
     divisor = block_scale.to(torch.float32) * scale_2
     groups.div_(divisor[:, None]).clamp_(-E2M1_MAX, E2M1_MAX)
