@@ -46,6 +46,30 @@ def training_step(tensors: dict, seed: int, fraction: float = 0.05) -> dict:
     return out
 
 
+def _stage_with_and_without_incremental(
+    root: Path, precision: str, boot: Path, v0: dict, v1: dict
+) -> dict[str, Any]:
+    """The agent's stager on v1, converting incrementally from v0 and in full (in process).
+
+    The running agent converts its first version after a start in full (it has converted
+    nothing yet), so the incremental figures come from a stager that staged v0 first.
+    """
+    from engine_agent.staging import Stager
+
+    following = Stager(root / "stage-incremental", precision, boot)
+    following.stage(0, v0)
+    incremental = following.stage(1, v1)
+    full = Stager(root / "stage-full", precision, boot, incremental=False).stage(1, v1)
+    return {
+        "convert_incremental_s": round(incremental.convert_s, 4),
+        "convert_full_s": round(full.convert_s, 4),
+        "write_incremental_s": round(incremental.write_s, 4),
+        "write_full_s": round(full.write_s, 4),
+        "incremental_conversion": incremental.conversion,
+        "staged_identical": incremental.checksums == full.checksums,
+    }
+
+
 def _client_loop(url: str, stop: threading.Event, done: list[float], tokens: int) -> None:
     import httpx
 
@@ -69,6 +93,7 @@ def run(
     precision: str = "bf16",
     client_tokens: int = 4,
     work_dir: Path | None = None,
+    update_fraction: float = 0.05,
 ) -> dict[str, Any]:
     """Measure one staged refit against naive reloads on a model of the given dimensions."""
     import httpx
@@ -138,7 +163,7 @@ def run(
         )
         client.start()
         with console.status("publishing v1 (delta) and waiting for the agent's commit"):
-            v1 = training_step(v0, seed=1)
+            v1 = training_step(v0, seed=1, fraction=update_fraction)
             files = encode_version(v1, v0, version=1, base_version=0, codec="sparse")
             published_at = time.time()
             store.publish(VersionRef(RUN, 1), files)
@@ -199,6 +224,12 @@ def run(
             fresh.wait_http("/ready", 900, interval_s=0.05)
             restart_pause = time.perf_counter() - started
             fresh.stop(15)
+
+        stages = (
+            _stage_with_and_without_incremental(root, precision, served_boot, v0, v1)
+            if precision != "bf16"
+            else {}
+        )
     finally:
         processes.stop_all(15)
         if scratch is not None:
@@ -220,6 +251,8 @@ def run(
         "unstaged_update_pause_s": round(unstaged_pause, 4),
         "pause_over_full_reload": round(last["pause_s"] / restart_pause, 4),
         "pause_over_unstaged_update": round(last["pause_s"] / unstaged_pause, 4),
+        "update_fraction": update_fraction,
+        **stages,
     }
     table = Table("refit", "engine paused (s)", "vs staged")
     table.add_row("staged by the agent (commit only)", f"{figures['pause_s']:.3f}", "1.00x")
@@ -230,6 +263,12 @@ def run(
         ratio = figures[key] / max(figures["pause_s"], 1e-9)
         table.add_row(label, f"{figures[key]:.3f}", f"{ratio:.1f}x")
     console.print(table)
+    if stages:
+        console.print(
+            f"stager, v1 after v0: convert {stages['convert_incremental_s']:.3f}s incremental "
+            f"vs {stages['convert_full_s']:.3f}s full; write {stages['write_incremental_s']:.3f}s "
+            f"vs {stages['write_full_s']:.3f}s; same staged bytes: {stages['staged_identical']}"
+        )
     console.print(
         f"{parameters / 1e6:.0f}M parameters ({precision}); staging {figures['staging_s']:.2f}s "
         f"outside the pause, {during} requests completed meanwhile"

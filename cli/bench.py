@@ -33,3 +33,9 @@ from bench import router as _router_bench  # noqa: E402
 app.command(name="router", help="Router: added latency and req/s vs direct and SGLang's router.")(
     _router_bench.run
 )
+
+from bench import convert as _convert_bench  # noqa: E402
+
+app.command(
+    name="convert", help="FP8/NVFP4 conversion: full and incremental GB/s per core, identity."
+)(_convert_bench.run)

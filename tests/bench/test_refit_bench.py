@@ -26,3 +26,21 @@ def test_refit_bench_prints_its_figures_as_the_last_json_line(tmp_path: Path) ->
         assert figures[key] > 0, key
     assert figures["requests_during_staging"] >= 0
     assert figures["pause_s"] < figures["full_reload_pause_s"]
+
+
+def test_refit_bench_at_fp8_shows_conversion_with_and_without_incremental(
+    tmp_path: Path,
+) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.refit", *TINY, "--precision", "fp8",
+         "--update-fraction", "0.01", "--work-dir", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=400,
+        check=True,
+    )  # fmt: skip
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    assert figures["incremental_conversion"] == "incremental"
+    assert figures["staged_identical"] is True
+    assert figures["convert_incremental_s"] > 0 and figures["convert_full_s"] > 0

@@ -1,0 +1,33 @@
+"""The conversion benchmark runs on a small Qwen3-shaped checkpoint and proves identity."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_convert_bench_reports_rates_and_bitwise_identity_as_the_last_json_line() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.convert", "--hidden", "256", "--layers", "2",
+         "--heads", "4", "--kv-heads", "2", "--head-dim", "64", "--intermediate", "512",
+         "--vocab", "512", "--repeats", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )  # fmt: skip
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    assert figures["bitwise_identical"] is True
+    for key in (
+        "full_fp8_gb_s",
+        "full_nvfp4_gb_s",
+        "incremental_fp8_gb_s_at_0_25pct",
+        "incremental_nvfp4_gb_s_at_0_25pct",
+        "incremental_fp8_with_diff_gb_s_at_5pct",
+    ):
+        assert figures[key] > 0, key
