@@ -52,6 +52,8 @@ DENSE_FRACTION = 0.2
 _MIN_NORMAL = 2.0**-126
 # The E4M3 byte of +448 with the sign bit masked off; -448 is 0xFE.
 _E4M3_448 = 0x7E
+_BLOCK_SHIFT = fp8.BLOCK.bit_length() - 1  # tile index = element index >> 7
+_GROUP_SHIFT = nvfp4.GROUP.bit_length() - 1  # 16-group index = flat element index >> 4
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,14 @@ class ConversionReport:
 class _Fp8Tensor:
     q: torch.Tensor  # float8_e4m3fn [N, K]
     scale: torch.Tensor  # fp32 [⌈N/128⌉, ⌈K/128⌉]
-    amax: torch.Tensor  # fp32, same shape
+    threshold: torch.Tensor  # fp32 [tiles]: a changed |x| above it forces a whole-tile redo
+
+
+def _fp8_threshold(amax: torch.Tensor) -> torch.Tensor:
+    """Per tile: its amax, or -1 (every change redoes the tile) when its scale is not a
+    normal float (tiny or non-finite amax); a zero tile keeps 0 (any non-zero redoes it)."""
+    normal = (amax >= _MIN_NORMAL * fp8.E4M3_MAX) & torch.isfinite(amax)
+    return torch.where(normal | (amax == 0), amax, torch.full_like(amax, -1.0)).reshape(-1)
 
 
 @dataclass
@@ -202,7 +211,7 @@ class IncrementalConverter:
             for module in plan.quantized:
                 weight = tensors[f"{module}.weight"]
                 q, scale = out[f"{module}.weight"], out[f"{module}.weight_scale_inv"]
-                state.fp8[module] = _Fp8Tensor(q, scale, fp8.block_amax(weight))
+                state.fp8[module] = _Fp8Tensor(q, scale, _fp8_threshold(fp8.block_amax(weight)))
         else:
             for group in plan.groups:
                 amax = max(nvfp4.tensor_amax(tensors[f"{m}.weight"]) for m in group)
@@ -250,37 +259,33 @@ class IncrementalConverter:
             q, scale = fp8.quantize_fp8_block(weight)
             entry.q.copy_(q)
             entry.scale.copy_(scale)
-            entry.amax.copy_(fp8.block_amax(weight))
+            entry.threshold.copy_(_fp8_threshold(fp8.block_amax(weight)))
             return int(entry.scale.numel())
         block = fp8.BLOCK
-        pos = torch.from_numpy(positions)
         tiles_per_row = entry.scale.shape[1]
-        tile = (pos // (cols * block)) * tiles_per_row + (pos % cols) // block
-        values = weight.reshape(-1)[pos].to(torch.float32)
-        amax = entry.amax.view(-1)
-        tile_amax = amax[tile]
-        old_codes = entry.q.view(-1).view(torch.uint8)[pos]
-        whole = (values.abs() > tile_amax) | ((old_codes & 0x7F) == _E4M3_448)
-        # A tile whose scale is not a normal float (tiny or non-finite amax) is redone whole.
-        whole |= (tile_amax < _MIN_NORMAL * fp8.E4M3_MAX) & (tile_amax > 0)
-        whole |= ~torch.isfinite(tile_amax)
-        redo = torch.unique(tile[whole])
-        if len(redo):
-            flagged = torch.zeros(amax.numel(), dtype=torch.bool)
-            flagged[redo] = True
-            keep = ~flagged[tile]
-            pos, tile, values = pos[keep], tile[keep], values[keep]
-        q_flat = entry.q.view(-1)
-        q_flat[pos] = fp8.encode(values, entry.scale.view(-1)[tile])
+        row, col = np.divmod(positions, cols)
+        tile = torch.from_numpy((row >> _BLOCK_SHIFT) * tiles_per_row + (col >> _BLOCK_SHIFT))
+        pos = torch.from_numpy(positions)
+        # index_select/index_copy_ are the lean 1-D gather/scatter; `t[pos]` costs more.
+        values = weight.reshape(-1).index_select(0, pos).to(torch.float32)
+        q_bytes = entry.q.view(-1).view(torch.uint8)
+        old_codes = q_bytes.index_select(0, pos)
+        threshold = entry.threshold.index_select(0, tile)
+        whole = (values.abs() > threshold) | ((old_codes & 0x7F) == _E4M3_448)
+        redo = torch.unique(tile[whole]).tolist() if bool(whole.any()) else []
+        # Recode every changed element with its tile's current scale; tiles redone whole
+        # below overwrite theirs, so filtering them out first would only cost more.
+        codes = fp8.encode(values, entry.scale.view(-1).index_select(0, tile))
+        q_bytes.index_copy_(0, pos, codes.view(torch.uint8))
         scale_flat = entry.scale.view(-1)
-        for t in redo.tolist():
+        for t in redo:
             r0, c0 = (t // tiles_per_row) * block, (t % tiles_per_row) * block
             part = weight[r0 : r0 + block, c0 : c0 + block]
-            tile_max = fp8.block_amax(part)
+            amax = fp8.block_amax(part)
             q, scale = fp8.quantize_fp8_block(part)
             entry.q[r0 : r0 + block, c0 : c0 + block] = q
             scale_flat[t] = scale.reshape(())
-            amax[t] = tile_max.reshape(())
+            entry.threshold[t] = _fp8_threshold(amax).reshape(())
         return len(redo)
 
     def _nvfp4_group(
@@ -293,7 +298,7 @@ class IncrementalConverter:
         """Update one fused NVFP4 group in place; return 1 if it was converted in full."""
         entry = state.nvfp4[group[0]]
         weights = {m: tensors[f"{m}.weight"] for m in group}
-        work: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        work: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         needs_full = not float(entry.scale_2) >= _MIN_NORMAL
         maybe_lost_max = False
         for module in group:
@@ -304,25 +309,32 @@ class IncrementalConverter:
             if len(positions) > self.dense_fraction * weight.numel():
                 needs_full = True
                 break
-            pos = torch.from_numpy(positions)
-            if nvfp4.tensor_amax(weight.reshape(-1)[pos]) > entry.global_amax:
+            group_ids = positions >> _GROUP_SHIFT
+            first = np.empty(group_ids.size, dtype=bool)
+            first[0] = True
+            np.not_equal(group_ids[1:], group_ids[:-1], out=first[1:])
+            groups = torch.from_numpy(group_ids[first])
+            values = weight.reshape(-1, nvfp4.GROUP).index_select(0, groups).to(torch.float32)
+            group_amax = values.abs().amax(dim=-1)
+            # Unchanged elements never exceed the old global amax, so this is the changes'.
+            if float(group_amax.max()) > entry.global_amax:
                 needs_full = True
                 break
-            groups = torch.unique_consecutive(pos // nvfp4.GROUP)
-            old_scales = state.out[f"{module}.weight_scale"].view(-1).view(torch.uint8)[groups]
+            scale_bytes = state.out[f"{module}.weight_scale"].view(-1).view(torch.uint8)
+            old_scales = scale_bytes.index_select(0, groups)
             maybe_lost_max |= bool(((old_scales & 0x7F) == _E4M3_448).any())
-            work[module] = (groups, weight)
+            work[module] = (groups, values, group_amax)
         if not needs_full and maybe_lost_max:
             amax = max(nvfp4.tensor_amax(w) for w in weights.values())
             needs_full = amax != entry.global_amax
         if needs_full:
             self._nvfp4_group_full(state, entry, weights)
             return 1
-        for module, (groups, weight) in work.items():
-            values = weight.reshape(-1, nvfp4.GROUP)[groups].to(torch.float32)
-            codes, scales = nvfp4.encode_groups(values, entry.scale_2)
-            state.out[f"{module}.weight"].view(-1, nvfp4.GROUP // 2)[groups] = codes
-            state.out[f"{module}.weight_scale"].view(-1)[groups] = scales
+        for module, (groups, values, group_amax) in work.items():
+            codes, scales = nvfp4.encode_groups(values, entry.scale_2, group_amax)
+            state.out[f"{module}.weight"].view(-1, nvfp4.GROUP // 2).index_copy_(0, groups, codes)
+            scale_bytes = state.out[f"{module}.weight_scale"].view(-1).view(torch.uint8)
+            scale_bytes.index_copy_(0, groups, scales.view(torch.uint8))
         return 0
 
     def _nvfp4_group_full(

@@ -85,13 +85,17 @@ def group_scales(group_amax: torch.Tensor, scale_2: torch.Tensor) -> torch.Tenso
     return ideal.clamp(E4M3_MIN_SUBNORMAL, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
-def encode_groups(groups: torch.Tensor, scale_2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def encode_groups(
+    groups: torch.Tensor, scale_2: torch.Tensor, group_amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed codes `[G, 8]` and E4M3 scales `[G]` of fp32 16-element groups `[G, 16]`.
 
     The one place values meet scales, shared by full and incremental conversion so that
     both run the same fp32 operations. Writes into `groups` (the caller's scratch).
+    `group_amax` (max |x| per group) may be passed when the caller has it already.
     """
-    group_amax = groups.abs().amax(dim=-1)
+    if group_amax is None:
+        group_amax = groups.abs().amax(dim=-1)
     block_scale = group_scales(group_amax, scale_2)
     divisor = block_scale.to(torch.float32) * scale_2
     groups.div_(divisor[:, None]).clamp_(-E2M1_MAX, E2M1_MAX)
