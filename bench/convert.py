@@ -72,20 +72,24 @@ def _checkpoint(shapes: dict[str, tuple[int, ...]], seed: int) -> dict:
 
 
 def _step(tensors: dict, density: float, seed: int) -> tuple[dict, dict]:
-    """A copy where `density` of every tensor's elements moved by ±1 or ±2 BF16 ulps, and
-    the sorted flat positions that changed, per tensor."""
+    """A copy where `density` of every tensor's elements moved by one or two BF16 ulps of
+    magnitude (sign kept, never to NaN or inf), and the sorted flat positions that changed."""
     import numpy as np
     import torch
 
     rng = np.random.default_rng(seed)
     new, changes = {}, {}
     for name, tensor in tensors.items():
-        bits = tensor.view(-1).view(torch.int16).numpy().copy()
+        bits = tensor.view(-1).view(torch.int16).numpy().view(np.uint16).copy()
         count = max(1, round(density * bits.size))
         positions = np.unique(rng.integers(0, bits.size, count))
-        steps = rng.choice(np.array([-2, -1, 1, 2], dtype=np.int16), size=positions.size)
-        bits[positions] += steps
-        new[name] = torch.from_numpy(bits).view(torch.bfloat16).view(tensor.shape)
+        magnitude = (bits[positions] & 0x7FFF).astype(np.int32)
+        steps = rng.choice(np.array([-2, -1, 1, 2], dtype=np.int32), size=positions.size)
+        # Reflect a step that would leave [1, largest finite] so every position changes.
+        moved = magnitude + steps
+        moved = np.where((moved < 1) | (moved > 0x7F7F), magnitude - steps, moved)
+        bits[positions] = (bits[positions] & 0x8000) | moved.astype(np.uint16)
+        new[name] = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).view(tensor.shape)
         changes[name] = positions.astype(np.int64)
     return new, changes
 
