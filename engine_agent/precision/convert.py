@@ -135,7 +135,7 @@ def convert_tensors(
                 "calibrate_input_scales(...)"
             )
         for group in plan.groups:
-            group_amax = max(float(tensors[f"{m}.weight"].abs().max()) for m in group)
+            group_amax = max(nvfp4.tensor_amax(tensors[f"{m}.weight"]) for m in group)
             shared_input = max(float(input_scales[m]) for m in group)
             for module in group:
                 packed, block_scale, scale_2 = nvfp4.quantize_nvfp4(

@@ -271,7 +271,8 @@ class IncrementalConverter:
         q_bytes = entry.q.view(-1).view(torch.uint8)
         old_codes = q_bytes.index_select(0, pos)
         threshold = entry.threshold.index_select(0, tile)
-        whole = (values.abs() > threshold) | ((old_codes & 0x7F) == _E4M3_448)
+        # `not <=` rather than `>`, so a NaN (outside the contract) still redoes its tile.
+        whole = ~(values.abs() <= threshold) | ((old_codes & 0x7F) == _E4M3_448)
         redo = torch.unique(tile[whole]).tolist() if bool(whole.any()) else []
         # Recode every changed element with its tile's current scale; tiles redone whole
         # below overwrite theirs, so filtering them out first would only cost more.
@@ -317,7 +318,7 @@ class IncrementalConverter:
             values = weight.reshape(-1, nvfp4.GROUP).index_select(0, groups).to(torch.float32)
             group_amax = values.abs().amax(dim=-1)
             # Unchanged elements never exceed the old global amax, so this is the changes'.
-            if float(group_amax.max()) > entry.global_amax:
+            if not float(group_amax.max()) <= entry.global_amax:
                 needs_full = True
                 break
             scale_bytes = state.out[f"{module}.weight_scale"].view(-1).view(torch.uint8)
