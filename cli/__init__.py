@@ -27,6 +27,7 @@ def _register() -> None:
         demo,
         deploy,
         engine,
+        fleet,
         model,
         sandbox,
         store,
@@ -38,6 +39,7 @@ def _register() -> None:
     app.add_typer(controlplane.app, name="controlplane")
     app.add_typer(deploy.app, name="deploy")
     app.add_typer(engine.app, name="engine")
+    app.add_typer(fleet.app, name="fleet")
     app.add_typer(model.app, name="model")
     app.add_typer(sandbox.app, name="sandbox")
     app.add_typer(store.app, name="store")

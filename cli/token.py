@@ -12,7 +12,7 @@ err = Console(stderr=True)
 
 @app.command()
 def create(
-    role: str = typer.Option(..., "--role", help="admin, trainer, engine or client"),
+    role: str = typer.Option(..., "--role", help="admin, trainer, engine, client or viewer"),
     name: str = typer.Option("", "--name", help="a label for the token"),
     db: str = typer.Option(None, "--db", help="database URL (default: TETHER_DB_URL)"),
 ) -> None:

@@ -20,6 +20,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
+from controlplane import dashboard
 from controlplane import db as dbmod
 from controlplane.auth import (
     ADMIN,
@@ -190,6 +191,8 @@ def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:
         hot_path,
         RequestMetrics(BodyLimit(hot_path, settings.max_body_bytes), cp.metrics),
     )
+
+    dashboard.install(app, cp, role)
 
     # ------------------------------------------------------------------ ops
 

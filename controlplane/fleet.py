@@ -43,6 +43,9 @@ class Fleet:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._last_reap = 0.0
         self._stopping = False
+        # Called with each new snapshot on the event loop (the dashboard's trackers); they
+        # must be cheap and never raise into the refresher.
+        self.observers: list[Callable[[FleetSnapshot], None]] = []
 
     # -------------------------------------------------------------- refresh
 
@@ -70,6 +73,11 @@ class Fleet:
     def install(self, snap: FleetSnapshot) -> None:
         self.snapshot = snap
         self.metrics.observe_fleet(snap)
+        for observe in self.observers:
+            try:
+                observe(snap)
+            except Exception:
+                log.exception("a fleet observer failed on a new snapshot")
         if self._changed is not None:
             changed, self._changed = self._changed, asyncio.Event()
             changed.set()

@@ -239,6 +239,9 @@ class Registry:
                     Engine.staging_progress,
                     Engine.staging_started_at,
                     Engine.lease_expires_at,
+                    Engine.accelerator,
+                    Engine.labels,
+                    Engine.last_error,
                 ).where(Engine.lease_expires_at > now)
             ).all()
         return [
@@ -255,6 +258,9 @@ class Registry:
                 staging_progress=r[9],
                 staging_started_at=r[10],
                 lease_expires_at=r[11],
+                accelerator=r[12],
+                labels=r[13] or {},
+                last_error=r[14],
             )
             for r in rows
         ]

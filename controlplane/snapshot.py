@@ -35,6 +35,10 @@ class EngineView:
     staging_progress: float
     staging_started_at: float | None
     lease_expires_at: float
+    # Shown by the dashboard only; the router never reads them.
+    accelerator: str = "cpu"
+    labels: Mapping[str, str] = field(default_factory=dict)
+    last_error: str | None = None
 
     @property
     def serving(self) -> bool:

@@ -23,7 +23,7 @@ from launcher.processes import TETHER, ManagedProcess, ProcessFailed, ProcessGro
 
 log = logging.getLogger(__name__)
 
-ROLES = ("trainer", "engine", "client")
+ROLES = ("trainer", "engine", "client", "viewer")
 
 
 def prepare_models(root: Path, precisions: set[str], seed: int) -> dict[str, Path]:

@@ -29,7 +29,7 @@ from demo.fleet import (
     start_engines,
 )
 from demo.report import DemoTotals, StepRecord, print_header, print_step, print_summary
-from demo.settings import DemoSettings
+from demo.settings import PRECISIONS, DemoSettings
 from demo.task import Problem, reward, sample_problems
 from launcher.processes import ProcessGroup
 
@@ -190,6 +190,14 @@ async def train(
                     if samples
                     else None
                 )
+                if metrics is not None:
+                    await client.report_gap(
+                        step,
+                        {p: g for p, g in metrics.gap_by_precision.items() if p in PRECISIONS},
+                        trainer_version=trainer_version,
+                        staleness_mean=sum(staleness) / max(1, len(staleness)),
+                        staleness_max=max(staleness, default=0),
+                    )
                 report = await asyncio.to_thread(publisher.publish, learner.state_dict())
                 count, pause_s = await asyncio.to_thread(pauses.new_pauses, fleet)
                 record = StepRecord(
@@ -240,6 +248,11 @@ def run_demo(settings: DemoSettings, console: Console) -> dict[str, Any]:
         models = prepare_models(workdir / "models", precisions, settings.seed)
         console.print(f"starting the control plane ({db_url.split(':', 1)[0]}) ...")
         cp = start_controlplane(group, db_url, store_url)
+        # The fragment never reaches the server or its logs; the page keeps the token.
+        console.print(
+            f"[bold]dashboard:[/bold] {cp.url}/dashboard#token={cp.tokens['viewer']} "
+            f"(or: tether fleet watch --control-plane {cp.url})"
+        )
         publisher = Publisher(
             store_url,
             run_id,

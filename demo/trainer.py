@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from trainer_client.gap_metrics import GapMetrics
+
 
 @dataclass(frozen=True)
 class Sample:
@@ -35,6 +37,7 @@ class Sample:
 class StepMetrics:
     loss: float
     k3_by_precision: dict[str, float] = field(default_factory=dict)
+    gap_by_precision: dict[str, GapMetrics] = field(default_factory=dict)
     mis_masked_fraction: float = 0.0
 
 
@@ -136,12 +139,13 @@ class Learner:
         by_precision: dict[str, list[int]] = defaultdict(list)
         for row, s in enumerate(samples):
             by_precision[s.precision].append(row)
-        k3 = {}
+        gaps = {}
         for precision, rows in sorted(by_precision.items()):
             index = torch.tensor(rows)
-            k3[precision] = gap_metrics(logprobs.detach()[index], sampler[index], mask[index]).k3_kl
+            gaps[precision] = gap_metrics(logprobs.detach()[index], sampler[index], mask[index])
         return StepMetrics(
             loss=float(result.loss.detach()),
-            k3_by_precision=k3,
+            k3_by_precision={p: g.k3_kl for p, g in gaps.items()},
+            gap_by_precision=gaps,
             mis_masked_fraction=result.metrics.get("mis_masked_fraction", 0.0),
         )

@@ -69,6 +69,8 @@ class RolloutStats:
     transport_retries: int = 0
     deadline_exceeded: int = 0
     latest_lookups: int = 0
+    gap_reports: int = 0
+    gap_reports_failed: int = 0
 
     def snapshot(self) -> RolloutStats:
         return RolloutStats(**vars(self))
@@ -186,6 +188,54 @@ class RolloutClient:
                 floor = max(0, latest - max_lag)
                 min_version = floor if min_version is None else max(min_version, floor)
         return VersionConstraint(min_version, exact_version)
+
+    # ------------------------------------------------------------------ observability
+
+    async def report_gap(
+        self,
+        step: int,
+        gaps: Mapping[str, Any],
+        *,
+        trainer_version: int | None = None,
+        staleness_mean: float | None = None,
+        staleness_max: int | None = None,
+    ) -> bool:
+        """Tell the control plane one step's sampler gap per precision (`GapMetrics` or a
+        mapping with `k3_kl` and optionally `logprob_abs_diff`, `masked_fraction`,
+        `tokens`) and the rollouts' staleness; the dashboard and alerts read it.
+
+        Observability must not stop training: an unreachable or failing control plane is
+        logged and answers False. A refused body (4xx) is a caller bug and raises
+        `RolloutRequestInvalid`."""
+        run_id = await self._resolve_run()
+        body = {
+            "step": step,
+            "trainer_version": trainer_version,
+            "precisions": {name: _gap_fields(gap) for name, gap in gaps.items()},
+            "staleness_mean": staleness_mean,
+            "staleness_max": staleness_max,
+        }
+        try:
+            response = await self._client.post(f"/v1/runs/{run_id}/gap", json=body)
+        except httpx.TransportError as exc:
+            self.stats.gap_reports_failed += 1
+            log.warning("could not report the sampler gap of step %d: %s", step, exc)
+            return False
+        if 400 <= response.status_code < 500:
+            raise RolloutRequestInvalid(
+                f"/v1/runs/{run_id}/gap answered {response.status_code}: {error_text(response)}"
+            )
+        if response.status_code != 202:
+            self.stats.gap_reports_failed += 1
+            log.warning(
+                "the control plane did not take the gap of step %d: %s %s",
+                step,
+                response.status_code,
+                error_text(response),
+            )
+            return False
+        self.stats.gap_reports += 1
+        return True
 
     # ------------------------------------------------------------------ generation
 
@@ -323,3 +373,11 @@ class RolloutClient:
                 )
             log.debug("retry %d of %s in %.3fs (%s)", retries, path, delay, last)
             await asyncio.sleep(min(delay, left))  # backoff, bounded by the deadline
+
+
+def _gap_fields(gap: Any) -> dict[str, Any]:
+    """The wire fields of one precision's gap, from a `GapMetrics` or a mapping."""
+    names = ("k3_kl", "logprob_abs_diff", "masked_fraction", "tokens")
+    if isinstance(gap, Mapping):
+        return {k: gap[k] for k in names if k in gap}
+    return {k: getattr(gap, k) for k in names if getattr(gap, k, None) is not None}

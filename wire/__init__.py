@@ -1,7 +1,7 @@
 """The wire contract between the control plane, the engine agent and the trainer's clients.
 
 Every request and response body as a pydantic model, and the header names, one module per
-concept (`engines`, `runs`, `tokens`, `routing`, `errors`, `headers`, `health`). Both sides
+concept (`engines`, `runs`, `fleet`, `tokens`, `routing`, `errors`, `headers`, `health`). Both sides
 import this package; it imports pydantic and the store vocabulary only, never FastAPI,
 SQLAlchemy or another Tether package, so clients stay light and never depend on the server.
 Tether's own bodies reject unknown fields.
@@ -30,6 +30,11 @@ from wire.errors import (
     ErrorBody,
     ErrorDetail,
     WeightVersionNotReadyDetail,
+)
+from wire.fleet import (
+    GapAccepted,
+    GapReport,
+    PrecisionGap,
 )
 from wire.headers import (
     ENGINE_ID_HEADER,
@@ -76,11 +81,14 @@ __all__ = [
     "EngineRegistered",
     "ErrorBody",
     "ErrorDetail",
+    "GapAccepted",
+    "GapReport",
     "Health",
     "Heartbeat",
     "HeartbeatReply",
     "PolicyKind",
     "Precision",
+    "PrecisionGap",
     "Role",
     "RouteAnswer",
     "RoutingFields",

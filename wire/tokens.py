@@ -19,6 +19,8 @@ class Role(StrEnum):
     TRAINER = "trainer"
     ENGINE = "engine"
     CLIENT = "client"
+    # Reads the fleet overview and the dashboard's data; calls nothing that changes state.
+    VIEWER = "viewer"
 
 
 class TokenCreate(TetherModel):
