@@ -42,13 +42,20 @@ install: $(STAMP) $(CHECKOV)
 demo: $(STAMP)
 	$(BIN)/tether demo
 
-# bubblewrap isolates the local sandbox backend; install it when it is missing.
+# bubblewrap isolates the local sandbox backend; Debian's chromium runs the dashboard's
+# browser tests (Playwright drives it, never downloads a browser); prometheus brings
+# promtool for the alert rules. Each is installed when it is missing.
 test: $(STAMP) $(CHECKOV)
 	@command -v bwrap >/dev/null || (apt-get update -qq && apt-get install -y -qq bubblewrap) \
 		|| echo "warning: could not install bubblewrap; sandbox isolation tests will fail"
+	@command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium) \
+		|| echo "warning: could not install chromium; the dashboard browser tests will fail"
+	@command -v promtool >/dev/null \
+		|| (apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus) \
+		|| echo "warning: could not install prometheus; alert rules get the shape check only"
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/pytest -q
+	TETHER_BROWSER_TESTS=required $(BIN)/pytest -q
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

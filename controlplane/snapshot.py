@@ -37,7 +37,7 @@ class EngineView:
     lease_expires_at: float
     # Shown by the dashboard only; the router never reads them.
     accelerator: str = "cpu"
-    labels: Mapping[str, str] = field(default_factory=dict)
+    labels: Mapping[str, str] = field(default_factory=dict, hash=False, compare=False)
     last_error: str | None = None
 
     @property

@@ -53,7 +53,7 @@ class Api:
 
     def mint_roles(self) -> None:
         self.tokens["admin"] = ADMIN
-        for role in ("trainer", "engine", "client"):
+        for role in ("trainer", "engine", "client", "viewer"):
             reply = self.call("POST", "/v1/tokens", json={"role": role, "name": f"test-{role}"})
             assert reply.status_code == 201, reply.text
             self.tokens[role] = reply.json()["token"]

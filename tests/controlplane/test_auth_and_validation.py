@@ -6,23 +6,28 @@ import pytest
 
 from tests.controlplane.conftest import Api
 
-ROLES = ("admin", "trainer", "engine", "client")
+ROLES = ("admin", "trainer", "engine", "client", "viewer")
 E = "{engine}"
 
 # (method, path, roles allowed besides admin, JSON body)
 ROUTES = [
     ("POST", "/v1/tokens", set(), {"role": "client"}),
     ("POST", "/v1/runs", {"trainer"}, {"run_id": "auth-new"}),
-    ("GET", "/v1/runs", {"trainer", "engine", "client"}, None),
-    ("GET", "/v1/runs/auth", {"trainer", "engine", "client"}, None),
+    ("GET", "/v1/runs", {"trainer", "engine", "client", "viewer"}, None),
+    ("GET", "/v1/runs/auth", {"trainer", "engine", "client", "viewer"}, None),
     ("PUT", "/v1/runs/auth/policy", {"trainer"}, {"kind": "follow_latest"}),
     ("POST", "/v1/runs/auth/versions", {"trainer"}, {"version": 1}),
-    ("GET", "/v1/runs/auth/versions", {"trainer", "engine", "client"}, None),
-    ("GET", "/v1/runs/auth/versions/latest", {"trainer", "engine", "client"}, None),
-    ("GET", "/v1/runs/auth/versions/wait?after=5&timeout=0", {"trainer", "engine", "client"}, None),
+    ("GET", "/v1/runs/auth/versions", {"trainer", "engine", "client", "viewer"}, None),
+    ("GET", "/v1/runs/auth/versions/latest", {"trainer", "engine", "client", "viewer"}, None),
+    (
+        "GET",
+        "/v1/runs/auth/versions/wait?after=5&timeout=0",
+        {"trainer", "engine", "client", "viewer"},
+        None,
+    ),
     ("POST", "/v1/engines", {"engine"}, None),
-    ("GET", "/v1/engines", {"trainer", "engine", "client"}, None),
-    ("GET", f"/v1/engines/{E}", {"trainer", "engine", "client"}, None),
+    ("GET", "/v1/engines", {"trainer", "engine", "client", "viewer"}, None),
+    ("GET", f"/v1/engines/{E}", {"trainer", "engine", "client", "viewer"}, None),
     (
         "POST",
         f"/v1/engines/{E}/heartbeat",
@@ -35,6 +40,8 @@ ROUTES = [
     ("POST", "/v1/completions", {"client", "trainer"}, {"prompt": "hi"}),
     ("POST", "/v1/chat/completions", {"client", "trainer"}, {"messages": []}),
     ("GET", "/v1/route?run_id=auth", {"client", "trainer"}, None),
+    ("GET", "/v1/fleet/overview", {"client", "trainer", "viewer"}, None),
+    ("POST", "/v1/runs/auth/gap", {"trainer"}, {"step": 1}),
 ]
 
 

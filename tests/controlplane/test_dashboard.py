@@ -17,13 +17,6 @@ from wire import Precision, SyncState, TargetPolicy
 RUN = "dash"
 
 
-def mint(api: Api, role: str) -> str:
-    reply = api.call("POST", "/v1/tokens", json={"role": role, "name": f"test-{role}"})
-    assert reply.status_code == 201, reply.text
-    api.tokens[role] = reply.json()["token"]
-    return api.tokens[role]
-
-
 def overview(api: Api, role: str = "viewer") -> dict:
     reply = api.call("GET", "/v1/fleet/overview", role)
     assert reply.status_code == 200, reply.text
@@ -62,7 +55,6 @@ def snapshot(
 
 
 def test_overview_lists_every_engine_with_served_and_target_versions(api: Api) -> None:
-    mint(api, "viewer")
     api.create_run(RUN)
     api.publish(RUN, 0)
     api.publish(RUN, 1)
@@ -93,7 +85,6 @@ def test_overview_lists_every_engine_with_served_and_target_versions(api: Api) -
 
 
 def test_only_viewer_client_trainer_and_admin_tokens_read_the_overview(api: Api) -> None:
-    mint(api, "viewer")
     for role in ("viewer", "client", "trainer", "admin"):
         assert api.call("GET", "/v1/fleet/overview", role).status_code == 200, role
     refused = api.call("GET", "/v1/fleet/overview", "engine")
@@ -103,7 +94,6 @@ def test_only_viewer_client_trainer_and_admin_tokens_read_the_overview(api: Api)
 
 
 def test_a_viewer_token_changes_nothing(api: Api) -> None:
-    mint(api, "viewer")
     api.create_run(RUN)
     assert api.call("POST", "/v1/runs", "viewer", json={"run_id": "x"}).status_code == 403
     assert api.call("POST", "/v1/generate", "viewer", json={"text": "hi"}).status_code == 403
@@ -156,12 +146,10 @@ def test_a_bad_gap_report_names_the_field_and_stores_nothing(api: Api) -> None:
     missing = api.call("POST", "/v1/runs/nope/gap", "trainer", json={"step": 1})
     assert missing.status_code == 404
     assert missing.json()["error"]["type"] == "RunUnknown"
-    mint(api, "viewer")
     assert overview(api)["runs"][0]["gap"] == []
 
 
 def test_a_publish_shows_up_as_a_timeline_entry_that_converges(api: Api) -> None:
-    mint(api, "viewer")
     api.create_run(RUN)
     api.publish(RUN, 0)
     engines = [api.register(RUN, 0) for _ in range(2)]
