@@ -50,6 +50,7 @@ class DemoTotals:
     # The client's own counts: they include retries of rollouts that finally failed.
     client_retries_409: int = 0
     client_retries: int = 0
+    gap_reports: int = 0
 
     def add(self, record: StepRecord) -> None:
         self.steps.append(record)
@@ -79,6 +80,7 @@ class DemoTotals:
             "constraint_violations": sum(s.violations for s in self.steps),
             "retries_409": self.client_retries_409,
             "retries": self.client_retries,
+            "gap_reports": self.gap_reports,
             "staleness_max": max((s.staleness_max for s in self.steps), default=0),
             "publish_bytes": self.boot_bytes + sum(s.publish_bytes for s in self.steps),
             "delta_ratio_mean": round(

@@ -227,6 +227,7 @@ async def train(
                 pending.cancel()
         totals.client_retries_409 = client.stats.retries_409
         totals.client_retries = client.stats.retries
+        totals.gap_reports = client.stats.gap_reports
 
 
 def run_demo(settings: DemoSettings, console: Console) -> dict[str, Any]:

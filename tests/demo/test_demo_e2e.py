@@ -63,6 +63,8 @@ def test_short_demo_trains_publishes_and_keeps_every_rollout_within_its_constrai
     # max_lag (0), plus the batch sampled ahead, plus a publish within the 0.5 s latest cache
     assert summary["staleness_max"] <= 2
     assert "Tether demo: summary" in done.stdout
+    assert "/dashboard#token=tth_" in done.stdout  # the address of the live dashboard
+    assert summary["gap_reports"] == 3  # the trainer reported its gap every step
 
     store = Store(str(workdir / "store"))
     assert store.read_pointer("e2e") == VersionRef("e2e", 3)

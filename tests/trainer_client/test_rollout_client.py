@@ -226,3 +226,46 @@ def test_openai_chat_answers_parse_with_their_version_metadata() -> None:
     assert (result.text, result.logprobs) == ("8", [-0.5])
     assert [c.token for c in result.top_logprobs[0]] == ["8", "9"]
     assert (result.weight_version_start, result.weight_version_end) == (6, 6)
+
+
+def test_the_gap_report_reaches_the_control_plane_and_a_client_token_is_refused(
+    fleet: Fleet,
+) -> None:
+    from trainer_client.gap_metrics import gap_metrics
+
+    measured = gap_metrics(
+        torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.1, -2.3]]), torch.ones(1, 2)
+    )
+
+    async def scenario() -> tuple[bool, int]:
+        trainer = RolloutClient(fleet.cp.url, fleet.cp.tokens["trainer"], run_id=RUN)
+        async with trainer:
+            ok = await trainer.report_gap(
+                7, {"fp8": measured, "bf16": {"k3_kl": 0.001}}, trainer_version=3,
+                staleness_mean=1.5, staleness_max=2,
+            )  # fmt: skip
+            reported = trainer.stats.gap_reports
+        async with fleet.client() as client:
+            with pytest.raises(RolloutRequestInvalid, match="403"):
+                await client.report_gap(8, {"fp8": measured})
+        return ok, reported
+
+    ok, reported = asyncio.run(scenario())
+    assert ok and reported == 1
+    (run,) = fleet.cp.get("/v1/fleet/overview", "viewer")["runs"]
+    (entry,) = [g for g in run["gap"] if g["step"] == 7]
+    assert entry["precisions"]["fp8"]["k3_kl"] == pytest.approx(measured.k3_kl)
+    assert entry["precisions"]["fp8"]["tokens"] == 2
+    assert entry["trainer_version"] == 3 and entry["staleness_max"] == 2
+    assert [g["step"] for g in run["gap"]] == [7]  # the refused report stored nothing
+
+
+def test_an_unreachable_control_plane_does_not_stop_training() -> None:
+    async def scenario() -> tuple[bool, int]:
+        url = f"http://127.0.0.1:{free_port()}"
+        async with RolloutClient(url, "tth_x", run_id=RUN) as client:
+            return await client.report_gap(1, {"bf16": {"k3_kl": 0.1}}), (
+                client.stats.gap_reports_failed
+            )
+
+    assert asyncio.run(scenario()) == (False, 1)
