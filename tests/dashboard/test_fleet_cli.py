@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from deploy.demo.fleet import ControlPlane
-from deploy.demo.fleet import start_controlplane as start_demo_controlplane
-from deploy.processes import ProcessGroup, free_port
+from demo.fleet import ControlPlane
+from demo.fleet import start_controlplane as start_demo_controlplane
+from launcher.processes import ProcessGroup, free_port
 from tests.controlplane.conftest import publish
 from tests.fixtures.processes import ROOT, TETHER
 
