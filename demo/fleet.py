@@ -153,7 +153,7 @@ def start_engines(
              "--precision", precision, "--control-plane", cp.url, "--store", store_url,
              "--run", run_id, "--port", str(port), "--boot-model", str(models[precision]),
              "--boot-version", "0", "--work-dir", str(workdir / f"agent-{index}-{precision}"),
-             "--capacity", "8", "--log-level", "warning"],
+             "--capacity", "8", "--label", "engine=reference", "--log-level", "warning"],
             env={
                 "TETHER_TOKEN": cp.tokens["engine"],
                 "TETHER_AGENT_POINTER_POLL_S": "0.2",

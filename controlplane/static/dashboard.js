@@ -224,7 +224,7 @@ function drawEngines(all) {
   const behind = $("f-behind").checked;
   const rows = all.filter((e) =>
     (!precision || e.precision === precision) && (!state || e.sync_state === state) &&
-    (!behind || e.applied_version !== e.target_version) &&
+    (!behind || (e.target_version !== null && e.applied_version !== e.target_version)) &&
     (!text || [e.engine_id, e.url, e.kind, e.accelerator, e.last_error, e.precision, e.sync_state]
       .some((f) => f && String(f).toLowerCase().includes(text))));
   rows.sort(compare(view.sort.key));
@@ -236,7 +236,8 @@ function drawEngines(all) {
     const staging = e.staging_target === null ? "—" :
       `${v(e.staging_target)} <progress max="1" value="${e.staging_progress}"></progress> ` +
       `${Math.round(100 * e.staging_progress)}%`;
-    const late = e.applied_version !== e.target_version ? " behind" : "";
+    const late = e.target_version !== null && e.applied_version !== e.target_version
+      ? " behind" : "";
     return `<tr data-engine-id="${esc(e.engine_id)}" class="${late}" title="${esc(e.url)}` +
       `${e.last_error ? "\n" + esc(e.last_error) : ""}">` +
       `<td class="id">${esc(e.engine_id.slice(0, 12))}</td><td>${esc(e.precision)}</td>` +

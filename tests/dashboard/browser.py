@@ -11,6 +11,7 @@ import os
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -54,3 +55,16 @@ def browser_page(width: int = 1400, height: int = 900) -> Iterator[Any]:
             yield page
         finally:
             browser.close()
+
+
+def screenshot(page: Any, folder: Path, name: str) -> Path:
+    """Save the visible page as `folder/name`, and also under `$TETHER_SCREENSHOTS` when
+    set (how docs/img/ is refreshed)."""
+    out = folder / name
+    page.screenshot(path=str(out))
+    extra = os.environ.get("TETHER_SCREENSHOTS")
+    if extra:
+        Path(extra).mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(Path(extra) / name))
+    assert out.stat().st_size > 1000, "an empty screenshot"
+    return out

@@ -9,7 +9,6 @@ also to `$TETHER_SCREENSHOTS` when set (how docs/img/ was made).
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,7 +20,8 @@ import pytest
 
 from demo.fleet import start_controlplane as start_demo_controlplane
 from launcher.processes import ProcessGroup
-from tests.dashboard.browser import browser_page, chromium_path
+from tests.controlplane.conftest import publish
+from tests.dashboard.browser import browser_page, chromium_path, screenshot
 from tests.engine_agent.conftest import (
     ControlPlaneProcess,
     VersionChain,
@@ -98,17 +98,6 @@ def fleet(tiny: TinyCheckpoints, tmp_path_factory: pytest.TempPathFactory) -> It
         yield Fleet(cp, chain, engines, agents)
     finally:
         stop_all([*agents.values(), *engines.values(), cp.process])
-
-
-def screenshot(page: Any, tmp_path: Path, name: str) -> Path:
-    out = tmp_path / name
-    page.screenshot(path=str(out), full_page=False)
-    extra = os.environ.get("TETHER_SCREENSHOTS")
-    if extra:
-        Path(extra).mkdir(parents=True, exist_ok=True)
-        page.screenshot(path=str(Path(extra) / name), full_page=False)
-    assert out.stat().st_size > 1000
-    return out
 
 
 def row(page: Any, engine_id: str) -> Any:
@@ -216,6 +205,12 @@ def crowd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             trainer = {"Authorization": f"Bearer {cp.tokens['trainer']}"}
             engine = {"Authorization": f"Bearer {cp.tokens['engine']}"}
             assert http.post("/v1/runs", json={"run_id": "crowd"}, headers=trainer).is_success
+            for version in range(4):
+                publish(root / "store", "crowd", version)
+                reply = http.post(
+                    "/v1/runs/crowd/versions", json={"version": version}, headers=trainer
+                )
+                assert reply.status_code == 201, reply.text
             for i in range(1000):
                 body = {
                     "url": f"http://10.0.{i // 250}.{i % 250}:8000",
@@ -244,6 +239,9 @@ def test_a_fleet_of_1000_engines_renders_sorts_and_filters(crowd: str, tmp_path:
             for r in page.locator("#precisions tbody tr").all_inner_texts()
         }
         assert counts == {"bf16": 334, "fp8": 333, "nvfp4": 333}
+        page.check("#f-behind")  # engines not yet on their target, v3
+        assert page.locator("#shown").inner_text() == "(750 of 1000)"
+        page.uncheck("#f-behind")
         screenshot(page, tmp_path, "dashboard-1000.png")
 
         page.select_option("#f-precision", "fp8")

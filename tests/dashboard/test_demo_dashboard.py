@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dashboard.browser import browser_page, chromium_path
+from tests.dashboard.browser import browser_page, chromium_path, screenshot
 from tests.fixtures.processes import ROOT, TETHER
 
 START_DEADLINE_S = 240
@@ -55,6 +55,13 @@ def test_the_demo_prints_its_dashboard_and_the_page_follows_its_fleet(tmp_path: 
             )
             page.wait_for_selector("#gap-table tbody tr", timeout=SHOW_MS)
             assert page.locator("#timeline tbody tr[data-version]").count() >= 3
+            # A few more steps, so the screenshot shows a timeline and a gap curve.
+            page.wait_for_function(
+                "() => document.querySelectorAll('#timeline tr[data-version]').length >= 6"
+                " && document.querySelectorAll('#gap svg polyline').length === 3",
+                timeout=SHOW_MS,
+            )
+            screenshot(page, tmp_path, "dashboard-demo.png")
     finally:
         demo.send_signal(signal.SIGINT)
         try:
