@@ -33,6 +33,8 @@ ADMIN = frozenset({Role.ADMIN})
 TRAINER = frozenset({Role.TRAINER})
 ENGINE = frozenset({Role.ENGINE})
 CALLERS = frozenset({Role.CLIENT, Role.TRAINER})
+# The fleet overview: everyone who may look, none who only runs an engine.
+READERS = frozenset({Role.VIEWER, Role.CLIENT, Role.TRAINER})
 
 
 def hash_token(token: str) -> str:

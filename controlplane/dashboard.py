@@ -18,12 +18,11 @@ from typing import Any
 from fastapi import Depends, FastAPI
 from fastapi.responses import Response
 
+from controlplane.auth import READERS, TRAINER
 from controlplane.errors import NotFound
 from controlplane.overview import Overview
+from controlplane.services import Services
 from wire import GapAccepted, GapReport, Role
-
-READERS = frozenset({Role.VIEWER, Role.CLIENT, Role.TRAINER})
-TRAINER = frozenset({Role.TRAINER})
 
 #: The page's files and their media types; nothing else is served from the folder.
 ASSETS = {
@@ -48,7 +47,7 @@ def asset(name: str) -> bytes:
     return resources.files("controlplane.static").joinpath(name).read_bytes()
 
 
-def install(app: FastAPI, cp: Any, role: RoleDependency) -> Overview:
+def install(app: FastAPI, cp: Services, role: RoleDependency) -> Overview:
     """Add the dashboard's routes to `app`; the returned `Overview` observes `cp.fleet`."""
     overview = Overview(cp.metrics, cp.settings.lease_seconds)
     cp.fleet.observers.append(overview.observe)
