@@ -39,3 +39,9 @@ from bench import convert as _convert_bench  # noqa: E402
 app.command(
     name="convert", help="FP8/NVFP4 conversion: full and incremental GB/s per core, identity."
 )(_convert_bench.run)
+
+from bench import overview as _overview_bench  # noqa: E402
+
+app.command(name="overview", help="Dashboard overview: cost per snapshot vs the snapshot build.")(
+    _overview_bench.run
+)

@@ -180,8 +180,9 @@ def build_overview(
     summary: dict[tuple[str, str], dict[str, Any]] = {}
     versions: dict[tuple[str, str], Tally[int | None]] = {}
     for e in sorted(snap.engines.values(), key=lambda e: (e.run_id, e.precision, e.engine_id)):
-        target = snap.target_for(e.engine_id, e.run_id)
-        latest = snap.runs[e.run_id].latest_version if e.run_id in snap.runs else None
+        precision, state = e.precision.value, e.sync_state.value
+        run = snap.runs.get(e.run_id)
+        latest = run.latest_version if run is not None else None
         lag = None
         if latest is not None and e.applied_version is not None:
             lag = latest - e.applied_version
@@ -190,14 +191,14 @@ def build_overview(
                 "engine_id": e.engine_id,
                 "run_id": e.run_id,
                 "url": e.url,
-                "precision": e.precision.value,
+                "precision": precision,
                 "accelerator": e.accelerator,
                 "kind": engine_kind(e.labels),
                 "capacity": e.capacity,
                 "applied_version": e.applied_version,
-                "target_version": target,
+                "target_version": snap.target_for(e.engine_id, e.run_id),
                 "lag": lag,
-                "sync_state": e.sync_state.value,
+                "sync_state": state,
                 "staging_target": e.staging_target,
                 "staging_progress": e.staging_progress,
                 "in_flight": e.in_flight,
@@ -206,23 +207,25 @@ def build_overview(
                 "last_error": e.last_error,
             }
         )
-        key = (e.run_id, e.precision.value)
-        row = summary.setdefault(
-            key,
-            {"run_id": e.run_id, "precision": e.precision.value, "engines": 0, "serving": 0,
-             "capacity": 0, "in_flight": 0, "states": {}, "lag_max": None, "lag_sum": 0,
-             "lag_n": 0},
-        )  # fmt: skip
+        key = (e.run_id, precision)
+        row = summary.get(key)
+        if row is None:
+            row = summary[key] = {
+                "run_id": e.run_id, "precision": precision, "engines": 0, "serving": 0,
+                "capacity": 0, "in_flight": 0, "states": {}, "lag_max": None, "lag_sum": 0,
+                "lag_n": 0,
+            }  # fmt: skip
+            versions[key] = Tally()
         row["engines"] += 1
         row["serving"] += e.serving
         row["capacity"] += e.capacity
         row["in_flight"] += e.in_flight
-        row["states"][e.sync_state.value] = row["states"].get(e.sync_state.value, 0) + 1
+        row["states"][state] = row["states"].get(state, 0) + 1
         if lag is not None:
             row["lag_max"] = lag if row["lag_max"] is None else max(row["lag_max"], lag)
             row["lag_sum"] += lag
             row["lag_n"] += 1
-        versions.setdefault(key, Tally())[e.applied_version] += 1
+        versions[key][e.applied_version] += 1
     precisions = []
     for key, row in sorted(summary.items(), key=lambda kv: (kv[0][0], _order(kv[0][1]))):
         n = row.pop("lag_n")

@@ -119,6 +119,7 @@ def test_the_trainer_reports_its_gap_per_step_and_the_overview_and_metrics_show_
         reply = api.call("POST", f"/v1/runs/{RUN}/gap", "trainer", json=body)
         assert reply.status_code == 202, reply.text
         assert reply.json() == {"run_id": RUN, "step": step, "reports": step}
+    api.settle()  # the overview lists runs from the snapshot
     (run,) = overview(api, "client")["runs"]
     assert [g["step"] for g in run["gap"]] == [1, 2]
     assert run["gap"][-1]["precisions"]["nvfp4"]["k3_kl"] == 0.05
@@ -146,6 +147,7 @@ def test_a_bad_gap_report_names_the_field_and_stores_nothing(api: Api) -> None:
     missing = api.call("POST", "/v1/runs/nope/gap", "trainer", json={"step": 1})
     assert missing.status_code == 404
     assert missing.json()["error"]["type"] == "RunUnknown"
+    api.settle()  # the overview lists runs from the snapshot
     assert overview(api)["runs"][0]["gap"] == []
 
 

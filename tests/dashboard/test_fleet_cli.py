@@ -13,7 +13,7 @@ import pytest
 
 from demo.fleet import ControlPlane
 from demo.fleet import start_controlplane as start_demo_controlplane
-from launcher.processes import ProcessGroup, free_port
+from launcher.processes import ProcessGroup, free_port, wait_until
 from tests.controlplane.conftest import publish
 from tests.fixtures.processes import ROOT, TETHER
 
@@ -59,6 +59,12 @@ def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Plane]:
             reply = httpx.post(f"{cp.url}/v1/engines", json=body, headers=engine)
             assert reply.status_code == 201, reply.text
             ids[precision] = reply.json()["engine_id"]
+
+        def listed() -> bool:  # the overview is built from the next snapshot
+            doc = cp.get("/v1/fleet/overview", "viewer")
+            return len(doc["engines"]) == 2 and doc["runs"][0]["latest_version"] == 1
+
+        wait_until(listed, 30.0, "the overview to list both engines")
         yield Plane(cp, ids)
 
 
