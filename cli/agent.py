@@ -14,6 +14,9 @@ err = Console(stderr=True)
 @app.command("run")
 def run(
     engine_url: str = typer.Option(None, "--engine-url", help="The engine's HTTP URL."),
+    engine_kind: str = typer.Option(
+        None, "--engine-kind", help="sglang (SGLang or the reference engine; default) | vllm"
+    ),
     precision: str = typer.Option(None, "--precision", help="bf16 | fp8 | nvfp4"),
     control_plane: str = typer.Option(
         None, "--control-plane", help="Control plane URL; without it, follow the store pointer."
@@ -58,6 +61,7 @@ def run(
 
     given = {
         "engine_url": engine_url,
+        "engine_kind": engine_kind,
         "precision": precision,
         "control_plane": control_plane,
         "token": token,

@@ -57,3 +57,39 @@ def reference(
         # PrecisionMismatch, TensorMismatch and unreadable checkpoints: user errors.
         err.print(f"[red]error:[/] {exc}")
         raise typer.Exit(2) from None
+
+
+@app.command("vllm")
+def vllm(
+    model: Path = typer.Option(..., "--model", help="Hugging Face checkpoint folder to serve."),
+    port: int = typer.Option(8000, "--port", help="TCP port to listen on."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Interface to bind."),
+    max_model_len: int = typer.Option(1024, "--max-model-len", help="Longest prompt+output."),
+    kv_cache_gib: int = typer.Option(1, "--kv-cache-gib", help="CPU KV cache (GiB)."),
+    threads: int | None = typer.Option(None, "--threads", help="OpenMP threads (CPU build)."),
+    extra: list[str] = typer.Argument(None, help="More vLLM flags, after `--`."),
+) -> None:
+    """Serve MODEL with vLLM (from `.venv-vllm`, `make vllm`), ready for an engine agent."""
+    import os
+
+    from deploy.vllm_server import VLLMNotInstalled, check_head_size, vllm_command
+
+    if not (model / "config.json").is_file():
+        err.print(f"[red]error:[/] {model} has no config.json; pass a Hugging Face folder")
+        raise typer.Exit(2)
+    try:
+        check_head_size(model)
+        argv, env = vllm_command(
+            model.resolve(),
+            port,
+            host=host,
+            max_model_len=max_model_len,
+            kv_cache_gib=kv_cache_gib,
+            threads=threads,
+            extra_args=tuple(extra or ()),
+        )
+    except (VLLMNotInstalled, ValueError) as exc:
+        err.print(f"[red]error:[/] {exc}")
+        raise typer.Exit(2) from None
+    # exec: vLLM gets this process's signals (and its process group) directly.
+    os.execve(argv[0], argv, {**os.environ, **env})

@@ -43,6 +43,7 @@ from store.types import VersionConstraint
 from wire import (
     MAX_INT,
     EngineInfo,
+    EngineKind,
     EngineList,
     EngineRegister,
     EngineRegistered,
@@ -108,6 +109,7 @@ def _engine_info(row: Any, target: int | None) -> EngineInfo:
         url=row.url,
         run_id=row.run_id,
         precision=Precision(row.precision),
+        engine_kind=EngineKind(row.engine_kind),
         accelerator=row.accelerator,
         capacity=row.capacity,
         labels=row.labels,

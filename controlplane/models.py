@@ -49,6 +49,7 @@ class Engine(Base):
     run_id: Mapped[str] = mapped_column(String(128), index=True)
     url: Mapped[str] = mapped_column(Text)
     precision: Mapped[str] = mapped_column(String(16))
+    engine_kind: Mapped[str] = mapped_column(String(16), server_default="sglang")
     accelerator: Mapped[str] = mapped_column(String(100))
     capacity: Mapped[int] = mapped_column(Integer)
     labels: Mapped[dict[str, str]] = mapped_column(JSON)

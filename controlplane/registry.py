@@ -118,6 +118,7 @@ class Registry:
                     run_id=body.run_id,
                     url=body.url.rstrip("/"),
                     precision=body.precision.value,
+                    engine_kind=body.engine_kind.value,
                     accelerator=body.accelerator,
                     capacity=body.capacity,
                     labels=dict(body.labels),

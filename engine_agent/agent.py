@@ -31,9 +31,11 @@ import uvicorn
 from engine_agent.control_client import ControlClient
 from engine_agent.engines.base import Engine
 from engine_agent.engines.sglang import SGLangEngine
+from engine_agent.engines.vllm import VLLMEngine
 from engine_agent.errors import (
     AgentError,
     ControlPlaneUnavailable,
+    EngineIncompatible,
     EngineNotRegistered,
     EngineUnreachable,
     UnrecoverableEngineError,
@@ -45,7 +47,7 @@ from engine_agent.settings import AgentSettings
 from engine_agent.staging import Stager
 from engine_agent.status import AgentStatus
 from store.store import Store
-from wire import EngineRegister
+from wire import EngineKind, EngineRegister
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +69,7 @@ class Agent:
 
     def __init__(self, settings: AgentSettings, engine: Engine | None = None) -> None:
         self.settings = settings
-        self.engine = engine or SGLangEngine(
-            settings.engine_url, load_timeout_s=settings.engine_load_timeout_s
-        )
+        self.engine = engine or make_engine(settings)
         self.store = Store(settings.store)
         self.status = AgentStatus()
         self.gate = AdmissionGate(
@@ -112,6 +112,7 @@ class Agent:
             run_id=settings.run,
             server_info=self.server_info,
             on_engine_error=self._engine_down,
+            dialect=self.engine.dialect,
             connections=settings.engine_connections,
         )
 
@@ -124,6 +125,7 @@ class Agent:
             "agent_url": self.url,
             "engine_url": self.settings.engine_url,
             "engine_id": self.engine_id,
+            "engine_kind": self.engine.kind,
             "run_id": self.settings.run,
             "precision": self.settings.precision.value,
             "pause_mode": self.settings.pause_mode.value,
@@ -167,6 +169,7 @@ class Agent:
                     raise
                 log.info("waiting for the engine: %s", exc)
                 await asyncio.sleep(1.0)
+        await self.engine.check()
         boot = self.settings.boot_version
         if boot is not None:
             if info.weight_version != str(boot):
@@ -198,6 +201,7 @@ class Agent:
             url=self.url,
             run_id=self.settings.run,
             precision=self.settings.precision,
+            engine_kind=EngineKind(self.engine.kind),
             accelerator=self.settings.accelerator,
             capacity=self.settings.capacity,
             labels=self.settings.labels,
@@ -293,6 +297,10 @@ class Agent:
             return 0
         try:
             boot.result()
+        except EngineIncompatible as exc:
+            stop.cancel()
+            log.error("cannot serve this engine: %s", exc)
+            return EXIT_STARTUP
         except AgentError as exc:
             stop.cancel()
             log.error("engine at %s never answered: %s", self.settings.engine_url, exc)
@@ -344,6 +352,12 @@ class Agent:
         if self.control is not None:
             await self.control.close()
         log.info("stopped in %.2fs", time.perf_counter() - started)
+
+
+def make_engine(settings: AgentSettings) -> Engine:
+    """The engine adapter for `settings.engine_kind`."""
+    adapter = VLLMEngine if settings.engine_kind is EngineKind.VLLM else SGLangEngine
+    return adapter(settings.engine_url, load_timeout_s=settings.engine_load_timeout_s)
 
 
 def _canonical_boot_tensors(settings: AgentSettings) -> dict | None:

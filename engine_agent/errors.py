@@ -6,6 +6,8 @@
   it comes back by itself if the engine does.
 - `UnrecoverableEngineError`: the engine refused or crashed during a commit, so what it
   serves is unknown. Replace the replica; never retry on it.
+- `EngineIncompatible`: the engine cannot serve the agent (too old, or started without the
+  routes the agent needs). Found at agent start; the message names the fix.
 - `EngineNotRegistered`: the control plane forgot this engine (lease lapsed); register again.
 """
 
@@ -26,6 +28,10 @@ class EngineUnreachable(AgentError):
 
 class EngineRefused(AgentError):
     """The engine answered a control call with an error status."""
+
+
+class EngineIncompatible(AgentError):
+    """The engine lacks what the agent needs (version, routes); fix how it is started."""
 
 
 class UnrecoverableEngineError(AgentError):

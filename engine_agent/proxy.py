@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -32,6 +31,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
+from engine_agent.engines.base import TETHER_FIELDS, Dialect, EngineRequest, UnsupportedRequest
+from engine_agent.engines.sglang import SGLangDialect
 from engine_agent.gate import Admission, AdmissionGate, VersionNotReady
 from engine_agent.status import AgentStatus
 from store.types import VersionConstraint
@@ -47,10 +48,10 @@ from wire import (
 
 log = logging.getLogger(__name__)
 
-TETHER_FIELDS = ("weight_version", "precision", "session_id", "run_id")
 GENERATE_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 READ_ONLY_PATHS = ("/model_info", "/get_model_info", "/v1/models")
-# Every SGLang route that mutates weights, the cache or scheduling (sglang-api §5, §9).
+# Every SGLang and vLLM route that mutates weights, the cache or scheduling (sglang-api §5,
+# §9; docs/engines.md).
 CONTROL_PATHS = frozenset(
     {
         "/update_weights_from_disk",
@@ -76,6 +77,25 @@ CONTROL_PATHS = frozenset(
         "/unload_lora_adapter",
         "/load_lora_adapter_from_distributed",
         "/weights_checker",
+        # vLLM's (dev mode and scale-out): engines/vllm.py
+        "/pause",
+        "/resume",
+        "/collective_rpc",
+        "/reset_prefix_cache",
+        "/reset_mm_cache",
+        "/reset_encoder_cache",
+        "/abort_requests",
+        "/inference/v1/abort_requests",
+        "/sleep",
+        "/wake_up",
+        "/weight_checker",
+        "/init_weight_transfer_engine",
+        "/shutdown_weight_transfer_engine",
+        "/start_weight_update",
+        "/start_draft_weight_update",
+        "/update_weights",
+        "/finish_weight_update",
+        "/scale_elastic_ep",
     }
 )
 RETRY_AFTER_S = 1
@@ -85,27 +105,6 @@ def error_response(status: int, detail: ErrorDetail, retry_after: int | None = N
     headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
     body = ErrorBody(error=detail).model_dump(mode="json", exclude_none=True)
     return JSONResponse(body, status_code=status, headers=headers)
-
-
-def namespace_key(version: int, client_key: Any) -> str:
-    """The `extra_key` the engine sees: the served version first, the client's key after."""
-    return f"tether-v{version}" + (f":{client_key}" if client_key else "")
-
-
-def prepare_body(body: dict[str, Any], version: int) -> list[str]:
-    """Strip Tether's fields, namespace `extra_key`, make sure there is a `rid`; return the
-    rids to abort if the client leaves (SGLang's abort matches rid prefixes)."""
-    for name in TETHER_FIELDS:
-        body.pop(name, None)
-    key = body.get("extra_key")
-    if isinstance(key, list):
-        body["extra_key"] = [namespace_key(version, k) for k in key]
-    else:
-        body["extra_key"] = namespace_key(version, key)
-    rid = body.get("rid")
-    if rid is None:
-        rid = body["rid"] = f"tether-{uuid.uuid4().hex}"
-    return [str(r) for r in rid] if isinstance(rid, list) else [str(rid)]
 
 
 def _as_version(value: Any) -> int | None:
@@ -125,6 +124,26 @@ def version_span(payload: dict[str, Any], captured: int) -> tuple[int, int]:
     else:
         start = end = _as_version(meta.get("weight_version"))
     return (captured if start is None else start, captured if end is None else end)
+
+
+def version_reported(payload: Any) -> bool:
+    """Whether the engine labelled this answer with its own weight version."""
+    for item in payload if isinstance(payload, list) else [payload]:
+        if isinstance(item, dict):
+            meta = item.get("meta_info") or item.get("metadata") or {}
+            if meta.get("weight_versions") or meta.get("weight_version") is not None:
+                return True
+    return False
+
+
+def _finished(payload: Any) -> bool:
+    """Whether an SSE chunk is the last of its answer (it carries a finish reason)."""
+    if not isinstance(payload, dict):
+        return False
+    meta = payload.get("meta_info") or {}
+    if meta.get("finish_reason") is not None:
+        return True
+    return any(c.get("finish_reason") for c in payload.get("choices") or [] if isinstance(c, dict))
 
 
 def stamp(payload: Any, captured: int) -> tuple[int, int] | None:
@@ -159,6 +178,7 @@ class VersionedProxy:
         run_id: str,
         server_info: Callable[[], dict[str, Any]],
         on_engine_error: Callable[[str], None] | None = None,
+        dialect: Dialect | None = None,
         timeout_s: float = 600.0,
         connections: int = 1024,
     ) -> None:
@@ -169,6 +189,7 @@ class VersionedProxy:
         self.run_id = run_id
         self.server_info = server_info
         self.on_engine_error = on_engine_error
+        self.dialect = dialect or SGLangDialect()
         self.client = httpx.AsyncClient(
             base_url=self.engine_url,
             timeout=httpx.Timeout(timeout_s, connect=5.0),
@@ -187,11 +208,7 @@ class VersionedProxy:
         task.add_done_callback(self._background.discard)
 
     async def _abort(self, rids: list[str]) -> None:
-        for rid in rids:
-            try:
-                await self.client.post("/abort_request", json={"rid": rid}, timeout=5.0)
-            except httpx.HTTPError as exc:
-                log.warning("could not abort %s at the engine: %s", rid, exc)
+        await self.dialect.abort(self.client, rids)
 
     def _unreachable(self, exc: Exception) -> Response:
         message = f"engine at {self.engine_url} did not answer: {type(exc).__name__}: {exc}"
@@ -253,23 +270,40 @@ class VersionedProxy:
             admission = await self.gate.admit(constraint)
         except VersionNotReady as exc:
             return self._not_ready(exc)
-        rids = prepare_body(body, admission.version)
-        if fields.stream:
-            return await self._stream(path, body, admission, rids)
+        for name in TETHER_FIELDS:
+            body.pop(name, None)
         try:
-            return await self._once(path, body, admission, rids, request)
+            call = await self.dialect.request(path, body, admission.version, self.client)
+        except UnsupportedRequest as exc:
+            await self.gate.release(admission)
+            return error_response(400, ErrorDetail(type="InvalidRequest", message=str(exc)))
+        except httpx.HTTPError as exc:
+            await self.gate.release(admission)
+            return self._unreachable(exc)
+        if fields.stream:
+            return await self._stream(call, admission)
+        try:
+            return await self._once(call, admission, request)
         finally:
             await self.gate.release(admission)
 
+    def _span(self, payload: Any, admission: Admission) -> tuple[int, int] | None:
+        """Stamp `payload`; an answer without the engine's own spans that ended after a
+        commit ran on the new weights from then on (an `in_place` commit keeps it going)."""
+        span = stamp(payload, admission.version)
+        served = self.gate.served_version
+        if span is None or served is None or served <= span[1] or version_reported(payload):
+            return span
+        for item in payload if isinstance(payload, list) else [payload]:
+            if isinstance(item, dict) and "weight_version_end" in item:
+                item["weight_version_end"] = served
+        return span[0], served
+
     async def _once(
-        self,
-        path: str,
-        body: dict[str, Any],
-        admission: Admission,
-        rids: list[str],
-        request: Request,
+        self, engine_call: EngineRequest, admission: Admission, request: Request
     ) -> Response:
-        call = asyncio.create_task(self.client.post(path, json=body))
+        rids = engine_call.rids
+        call = asyncio.create_task(self.client.post(engine_call.path, json=engine_call.body))
         gone = asyncio.create_task(_wait_disconnect(request))
         try:
             await asyncio.wait({call, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -290,19 +324,19 @@ class VersionedProxy:
                 status_code=reply.status_code,
                 media_type=reply.headers.get("content-type"),
             )
-        payload = reply.json()
-        span = stamp(payload, admission.version)
+        payload = self.dialect.reply(engine_call, reply.json())
+        span = self._span(payload, admission)
         headers = {}
         if span is not None:
             headers = {VERSION_START_HEADER: str(span[0]), VERSION_END_HEADER: str(span[1])}
         return JSONResponse(payload, headers=headers)
 
-    async def _stream(
-        self, path: str, body: dict[str, Any], admission: Admission, rids: list[str]
-    ) -> Response:
+    async def _stream(self, call: EngineRequest, admission: Admission) -> Response:
+        rids = call.rids
+        translate = self.dialect.stream(call)
         try:
             reply = await self.client.send(
-                self.client.build_request("POST", path, json=body), stream=True
+                self.client.build_request("POST", call.path, json=call.body), stream=True
             )
         except httpx.HTTPError as exc:
             await self.gate.release(admission)
@@ -329,11 +363,16 @@ class VersionedProxy:
                         yield b"data: [DONE]\n\n"
                         continue
                     try:
-                        payload = json.loads(data)
+                        payload = translate(json.loads(data))
                     except ValueError:
                         yield f"data: {data}\n\n".encode()
                         continue
-                    stamp(payload, admission.version)
+                    if payload is None:
+                        continue
+                    if _finished(payload):
+                        self._span(payload, admission)
+                    else:
+                        stamp(payload, admission.version)
                     yield b"data: " + json.dumps(payload).encode() + b"\n\n"
             except httpx.HTTPError as exc:
                 message = f"engine stream broke: {type(exc).__name__}: {exc}"

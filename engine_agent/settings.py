@@ -13,7 +13,7 @@ from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from engine_agent.engines.base import PauseMode
-from wire import Precision
+from wire import EngineKind, Precision
 
 
 class AgentSettings(BaseSettings):
@@ -22,6 +22,8 @@ class AgentSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TETHER_AGENT_", extra="ignore")
 
     engine_url: str
+    # The engine's kind: `sglang` (SGLang or the reference engine) or `vllm`.
+    engine_kind: EngineKind = EngineKind.SGLANG
     precision: Precision
     run: str = Field(validation_alias=AliasChoices("run", "TETHER_AGENT_RUN", "TETHER_RUN"))
     store: str = Field(validation_alias=AliasChoices("store", "TETHER_AGENT_STORE", "TETHER_STORE"))

@@ -17,6 +17,7 @@ from wire.body import (
 from wire.engines import (
     SERVING_STATES,
     EngineInfo,
+    EngineKind,
     EngineList,
     EngineRegister,
     EngineRegistered,
@@ -76,6 +77,7 @@ __all__ = [
     "VERSION_END_HEADER",
     "VERSION_START_HEADER",
     "EngineInfo",
+    "EngineKind",
     "EngineList",
     "EngineRegister",
     "EngineRegistered",

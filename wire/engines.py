@@ -1,4 +1,4 @@
-"""Engines on the wire: the precision an engine serves, its sync state, registration,
+"""Engines on the wire: the precision an engine serves, its kind, its sync state, registration,
 heartbeats, the target long-poll and the fleet listing.
 
 Imports pydantic only; the lease and routing rules that read these bodies live in the
@@ -22,6 +22,13 @@ class Precision(StrEnum):
     NVFP4 = "nvfp4"
 
 
+class EngineKind(StrEnum):
+    """The inference engine behind an agent (its agent adapts every kind to one contract)."""
+
+    SGLANG = "sglang"
+    VLLM = "vllm"
+
+
 class SyncState(StrEnum):
     """What an engine is doing. `syncing` means staging a new version while still serving
     `applied_version`; `ready` and `syncing` engines take traffic, the others do not."""
@@ -40,6 +47,7 @@ class EngineRegister(TetherModel):
     url: str = Field(min_length=1, max_length=2000, pattern=r"^https?://")
     run_id: str = Field(min_length=1, max_length=128)
     precision: Precision
+    engine_kind: EngineKind = EngineKind.SGLANG
     accelerator: str = Field(default="cpu", max_length=100)
     capacity: StrictInt = Field(default=1, ge=1, le=1_000_000)
     labels: dict[str, str] = Field(default_factory=dict)
@@ -80,6 +88,7 @@ class EngineInfo(TetherModel):
     url: str
     run_id: str
     precision: Precision
+    engine_kind: EngineKind
     accelerator: str
     capacity: int
     labels: dict[str, str]

@@ -11,11 +11,21 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 
-from engine_agent.engines.base import Engine, EngineInfo, PauseMode, UpdateResult
+from engine_agent.engines.base import (
+    Dialect,
+    Engine,
+    EngineInfo,
+    EngineRequest,
+    PauseMode,
+    UpdateResult,
+    namespace_key,
+)
 from engine_agent.errors import EngineRefused, EngineUnreachable
 
 log = logging.getLogger(__name__)
@@ -24,8 +34,48 @@ log = logging.getLogger(__name__)
 _SGLANG_PAUSE = {PauseMode.IN_PLACE: "in_place", PauseMode.QUIESCE: "retract"}
 
 
+def prepare_body(body: dict[str, Any], version: int) -> list[str]:
+    """Namespace `extra_key` by `version`, make sure there is a `rid`; return the rids to
+    abort if the client leaves (SGLang's abort matches rid prefixes)."""
+    key = body.get("extra_key")
+    if isinstance(key, list):
+        body["extra_key"] = [namespace_key(version, k) for k in key]
+    else:
+        body["extra_key"] = namespace_key(version, key)
+    rid = body.get("rid")
+    if rid is None:
+        rid = body["rid"] = f"tether-{uuid.uuid4().hex}"
+    return [str(r) for r in rid] if isinstance(rid, list) else [str(rid)]
+
+
+class SGLangDialect(Dialect):
+    """SGLang's routes are the agent's contract: bodies pass as they are, but for the
+    `extra_key` namespace and a `rid`."""
+
+    async def request(
+        self, path: str, body: dict[str, Any], version: int, client: httpx.AsyncClient
+    ) -> EngineRequest:
+        return EngineRequest(path, body, prepare_body(body, version))
+
+    def reply(self, call: EngineRequest, payload: Any) -> Any:
+        return payload
+
+    def stream(self, call: EngineRequest) -> Callable[[Any], Any]:
+        return lambda payload: payload
+
+    async def abort(self, client: httpx.AsyncClient, rids: list[str]) -> None:
+        for rid in rids:
+            try:
+                await client.post("/abort_request", json={"rid": rid}, timeout=5.0)
+            except httpx.HTTPError as exc:
+                log.warning("could not abort %s at the engine: %s", rid, exc)
+
+
 class SGLangEngine(Engine):
     """An SGLang (or reference) server at `url`, e.g. `http://127.0.0.1:30000`."""
+
+    kind = "sglang"
+    dialect = SGLangDialect()
 
     def __init__(
         self,
@@ -61,6 +111,11 @@ class SGLangEngine(Engine):
                 f"{reply.text[:500]}"
             )
         return reply
+
+    async def check(self) -> None:
+        # Every route the adapter uses exists in every release it supports (0.5.17+); a
+        # server that answers `/model_info` serves the agent.
+        return None
 
     async def info(self) -> EngineInfo:
         # `/model_info` is the route (`/get_model_info` is its deprecated alias;

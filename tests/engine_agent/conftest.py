@@ -71,11 +71,13 @@ class VersionChain:
             self.tensors[version] = tensors
 
     def publish(self, kind: str = "delta", *, corrupt: bool = False) -> int:
-        """Publish the next version as a FULL (`kind="full"`) or sparse delta; a corrupt one
-        is published with damaged payload bytes (and is not remembered as a valid base)."""
+        """Publish the next version as a FULL (`kind="full"`), an xor delta (`"xor"`) or a
+        sparse delta (else); a corrupt one is published with damaged payload bytes (and is
+        not remembered as a valid base)."""
         version = max(self.latest, self._published()) + 1
         tensors = training_step(self.tensors[self.latest], seed=version)
-        self._publish(version, tensors, "full" if kind == "full" else "sparse", corrupt)
+        codec = kind if kind in ("full", "xor") else "sparse"
+        self._publish(version, tensors, codec, corrupt)
         return version
 
     def _published(self) -> int:

@@ -14,8 +14,9 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
+from engine_agent.engines.sglang import prepare_body
 from engine_agent.gate import AdmissionGate
-from engine_agent.proxy import CONTROL_PATHS, VersionedProxy, prepare_body, stamp
+from engine_agent.proxy import CONTROL_PATHS, VersionedProxy, stamp
 from engine_agent.status import AgentStatus
 from tests.engine_agent.conftest import (
     VersionChain,
@@ -178,13 +179,9 @@ def test_health_and_server_info_describe_the_agent(single: Single) -> None:
     assert model["weight_version"] == str(info["applied_version"])
 
 
-def test_prepare_body_strips_tether_fields_and_keeps_the_engine_ones() -> None:
+def test_an_sglang_body_gets_a_versioned_extra_key_and_a_rid() -> None:
     body = {
         "text": "hi",
-        "weight_version": {"exact_version": 3},
-        "precision": "bf16",
-        "session_id": "s",
-        "run_id": "r",
         "extra_key": ["a", None],
         "sampling_params": {"max_new_tokens": 1},
     }
