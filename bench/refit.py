@@ -33,12 +33,12 @@ from typing import Any
 RUN = "refit-bench"
 ENGINES = ("reference", "vllm")
 PROMPT = [5, 17, 3, 42, 9, 11, 60, 2]
-BF16_ATOL = 0.08
+BF16_ATOL = 0.05
 
 
 def _engine_argv(engine: str, model: Path, port: int) -> tuple[list[str], str]:
     """The engine's command line and the path that answers once it serves."""
-    from deploy.processes import TETHER
+    from launcher.processes import TETHER
 
     if engine == "vllm":
         return [TETHER, "engine", "vllm", "--model", str(model), "--port", str(port)], "/health"

@@ -27,8 +27,12 @@ def demo(
         int | None, typer.Option("--steps", min=1, help="Training steps [40].")
     ] = None,
     engines: Annotated[
-        int | None,
-        typer.Option("--engines", min=1, max=64, help="Engines, BF16/FP8/NVFP4 in turn [3]."),
+        str | None,
+        typer.Option(
+            "--engines",
+            help="A count (reference engines, BF16/FP8/NVFP4 in turn) or precision:kind "
+            "per engine, e.g. bf16:vllm,fp8:reference,nvfp4:reference [3].",
+        ),
     ] = None,
     seed: Annotated[
         int | None, typer.Option("--seed", help="Seed of the model, task and sampling [0].")
@@ -90,15 +94,22 @@ def demo(
         return
     from pydantic import ValidationError
 
-    from demo.settings import DemoSettings
+    from demo.settings import DemoSettings, parse_engines
     from launcher.processes import ProcessFailed
 
     with user_errors():
         _check_inputs(store_url, codec)
+        count, layout = None, None
+        if engines is not None:
+            try:
+                count, layout = parse_engines(engines)
+            except ValueError as exc:
+                raise fail(str(exc)) from None
         try:
             given = {
                 "steps": steps,
-                "engines": engines,
+                "engines": count,
+                "layout": layout,
                 "seed": seed,
                 "store": store_url,
                 "db": db,

@@ -1,4 +1,5 @@
-"""The demo's services: a control plane, reference engines and one agent per engine.
+"""The demo's services: a control plane, engines (reference, or vLLM for `bf16:vllm` in
+`--engines`) and one agent per engine.
 
 Owns the order things come up in and how they are wired: the tiny model and its FP8/NVFP4
 conversions, the control plane (SQLite under the work dir unless `--db` says otherwise)
@@ -130,26 +131,36 @@ def start_engines(
     workdir: Path,
 ) -> list[EngineWithAgent]:
     """Start every engine, then its agent; return once every agent serves the boot version."""
-    started: list[tuple[str, ManagedProcess]] = []
+    started: list[tuple[str, str, ManagedProcess]] = []
     for index in range(settings.engines):
-        precision = settings.precision_of(index)
+        precision, kind = settings.precision_of(index), settings.kind_of(index)
         port = free_port()
+        if kind == "vllm":
+            argv = [TETHER, "engine", "vllm", "--model", str(models[precision]),
+                    "--port", str(port), "--threads", "1"]  # fmt: skip
+        else:
+            argv = [TETHER, "engine", "reference", "--model", str(models[precision]),
+                    "--port", str(port), "--weight-version", "0", "--threads", "1",
+                    "--log-level", "warning"]  # fmt: skip
         engine = group.start(
-            f"engine-{index}-{precision}",
-            [TETHER, "engine", "reference", "--model", str(models[precision]),
-             "--port", str(port), "--weight-version", "0", "--threads", "1",
-             "--log-level", "warning"],
+            f"engine-{index}-{precision}-{kind}",
+            argv,
             env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
             url=f"http://127.0.0.1:{port}",
-        )  # fmt: skip
-        started.append((precision, engine))
+        )
+        started.append((precision, kind, engine))
     fleet: list[EngineWithAgent] = []
-    for index, (precision, engine) in enumerate(started):
-        engine.wait_http("/ready", deadline_s=settings.start_deadline_s)
+    for index, (precision, kind, engine) in enumerate(started):
+        if kind == "vllm":
+            # vLLM starts in 20-50 s alone, minutes on a busy small machine.
+            engine.wait_http("/health", deadline_s=max(settings.start_deadline_s, 600.0))
+        else:
+            engine.wait_http("/ready", deadline_s=settings.start_deadline_s)
         port = free_port()
         agent = group.start(
             f"agent-{index}-{precision}",
             [TETHER, "agent", "run", "--engine-url", engine.url or "",
+             "--engine-kind", "vllm" if kind == "vllm" else "sglang",
              "--precision", precision, "--control-plane", cp.url, "--store", store_url,
              "--run", run_id, "--port", str(port), "--boot-model", str(models[precision]),
              "--boot-version", "0", "--work-dir", str(workdir / f"agent-{index}-{precision}"),

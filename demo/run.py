@@ -242,6 +242,9 @@ def run_demo(settings: DemoSettings, console: Console) -> dict[str, Any]:
     store_url = settings.store or str(workdir / "store")
     db_url = settings.db or f"sqlite:///{workdir / 'controlplane.db'}"
     precisions = {settings.precision_of(i) for i in range(settings.engines)}
+    kinds = sorted(
+        {f"{settings.precision_of(i)}:{settings.kind_of(i)}" for i in range(settings.engines)}
+    )
     totals = DemoTotals()
     with ProcessGroup(run_dir / "logs") as group:
         console.print(f"[bold]Tether demo[/bold] run {run_id}, work dir {workdir}")
@@ -267,7 +270,7 @@ def run_demo(settings: DemoSettings, console: Console) -> dict[str, Any]:
         totals.boot_bytes = boot.bytes if boot else 0
         console.print(
             f"published boot version v0 to {publisher.store.url}; starting "
-            f"{settings.engines} engine(s) with agents ({', '.join(sorted(precisions))}) ..."
+            f"{settings.engines} engine(s) with agents ({', '.join(kinds)}) ..."
         )
         fleet = start_engines(group, settings, models, cp, run_id, store_url, run_dir)
         from demo.trainer import Learner

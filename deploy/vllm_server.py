@@ -68,7 +68,8 @@ def vllm_command(
         "--model", str(model), "--host", host, "--port", str(port),
         "--dtype", "bfloat16", "--max-model-len", str(max_model_len),
         # Eager: no graph capture at start (minutes on a small CPU) for a tiny model.
-        "--enforce-eager", "--enable-scale-out", "--disable-log-stats",
+        # Stats stay on: the Prometheus gauges (/metrics) come from them.
+        "--enforce-eager", "--enable-scale-out",
         *extra_args,
     ]  # fmt: skip
     env = {

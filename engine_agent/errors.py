@@ -27,7 +27,11 @@ class EngineUnreachable(AgentError):
 
 
 class EngineRefused(AgentError):
-    """The engine answered a control call with an error status."""
+    """The engine answered a control call with an error status (`status`)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class EngineIncompatible(AgentError):

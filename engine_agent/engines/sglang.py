@@ -91,6 +91,7 @@ class SGLangEngine(Engine):
             base_url=self.url, headers=headers, timeout=control_timeout_s
         )
         self._load_timeout_s = load_timeout_s
+        self._info_path = "/model_info"
 
     def __repr__(self) -> str:
         return f"SGLangEngine({self.url!r})"
@@ -108,7 +109,8 @@ class SGLangEngine(Engine):
         if reply.status_code >= 400:
             raise EngineRefused(
                 f"engine at {self.url} answered {method} {path} with {reply.status_code}: "
-                f"{reply.text[:500]}"
+                f"{reply.text[:500]}",
+                reply.status_code,
             )
         return reply
 
@@ -118,9 +120,17 @@ class SGLangEngine(Engine):
         return None
 
     async def info(self) -> EngineInfo:
-        # `/model_info` is the route (`/get_model_info` is its deprecated alias;
-        # `/get_weight_version` and `/weight_version` never answer with a version).
-        body = (await self._call("GET", "/model_info")).json()
+        # `/model_info` is the route; `/get_model_info` is its deprecated alias and the only
+        # name on older builds, so a 404 falls back to it once and for all.
+        # (`/get_weight_version` and `/weight_version` never answer with a version.)
+        try:
+            reply = await self._call("GET", self._info_path)
+        except EngineRefused as exc:
+            if self._info_path != "/model_info" or exc.status != 404:
+                raise
+            self._info_path = "/get_model_info"
+            reply = await self._call("GET", self._info_path)
+        body = reply.json()
         return EngineInfo(
             model_path=str(body.get("model_path") or ""),
             weight_version=str(body.get("weight_version") or ""),

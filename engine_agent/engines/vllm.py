@@ -94,12 +94,22 @@ class VLLMEngine(Engine):
         if reply.status_code >= 400:
             raise EngineRefused(
                 f"vLLM at {self.url} answered {method} {path} with {reply.status_code}: "
-                f"{reply.text[:500]}"
+                f"{reply.text[:500]}",
+                reply.status_code,
             )
         return reply
 
     async def check(self) -> None:
-        version = str((await self._call("GET", "/version")).json().get("version", ""))
+        try:
+            version = str((await self._call("GET", "/version")).json().get("version", ""))
+        except EngineRefused as exc:
+            if exc.status != 404:
+                raise
+            raise EngineIncompatible(
+                f"the engine at {self.url} is not a vLLM server (no /version); start it with "
+                "`tether engine vllm`, or pass --engine-kind sglang for SGLang or the "
+                "reference engine"
+            ) from exc
         if parse_version(version) < MIN_VERSION:
             raise EngineIncompatible(
                 f"vLLM at {self.url} is version {version!r}; the agent needs "

@@ -30,6 +30,7 @@ from tests.engine_agent.conftest import (
 )
 from tests.fixtures.processes import ManagedProcess, stop_all, wait_until
 from tests.fixtures.reference_engine import (
+    ReferenceEngineProcess,
     TinyCheckpoints,
     launch_reference_engine,
     wait_until_ready,
@@ -40,8 +41,9 @@ RUN = "vllm-run"
 CATCH_UP_S = 180.0
 PROMPT = [5, 17, 3, 42, 9, 11, 60, 2]
 GREEDY = {"max_new_tokens": 6, "temperature": 0.0}
-# vLLM computes in bfloat16 (transformers here too); one bf16 ulp near 4 is 2**-6.
-BF16_ATOL = 0.08
+# vLLM and transformers both compute in bfloat16: they agree within ~0.004 on the tiny
+# model, while one published version moves these logprobs by 0.06 or more.
+BF16_ATOL = 0.03
 
 
 @dataclass
@@ -212,7 +214,7 @@ def test_catch_up_across_full_xor_and_sparse_versions_really_changes_the_weights
         assert max_gap(after, expected) < BF16_ATOL, (kind, after, expected)
         old = transformers_prompt_logprobs(vllm.chain, previous)
         # The update moved the logprobs, and vLLM follows the new version, not the old one.
-        assert max_gap(after, before) > 0, kind
+        assert max_gap(after, before) > BF16_ATOL, kind
         assert max_gap(after, expected) < max_gap(after, old), kind
         previous, before = version, after
 
@@ -269,16 +271,20 @@ def test_a_commit_under_load_loses_no_request(vllm: VLLMSetup) -> None:
     assert any(answer["weight_version_end"] == target for _, answer in results)
 
 
-def running_requests(engine_url: str) -> float:
+def engine_metric(engine_url: str, name: str, label: str = "") -> float:
+    """The sum of vLLM's Prometheus samples `name` whose labels contain `label`."""
     text = httpx.get(f"{engine_url}/metrics", timeout=10).text
-    lines = [ln for ln in text.splitlines() if ln.startswith("vllm:num_requests_running")]
+    lines = [ln for ln in text.splitlines() if ln.startswith(name + "{") and label in ln]
     return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines)
 
 
 def test_a_client_that_leaves_aborts_its_engine_request(vllm: VLLMSetup) -> None:
+    engine_url = vllm.engine.url or ""
+    aborted = 'finished_reason="abort"'
+    before = engine_metric(engine_url, "vllm:request_success_total", aborted)
     body = {
         "input_ids": PROMPT,
-        "sampling_params": {"max_new_tokens": 900, "ignore_eos": True},
+        "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True},
         "stream": True,
     }
     with httpx.stream("POST", f"{vllm.url}/generate", json=body, timeout=60) as reply:
@@ -286,13 +292,13 @@ def test_a_client_that_leaves_aborts_its_engine_request(vllm: VLLMSetup) -> None
         for line in reply.iter_lines():
             if line.startswith("data:"):
                 break  # the first chunk: the engine is generating; now leave
-    assert running_requests(vllm.engine.url or "") >= 0
     wait_until(
-        lambda: running_requests(vllm.engine.url or "") == 0,
+        lambda: engine_metric(engine_url, "vllm:request_success_total", aborted) > before,
         60.0,
-        "the engine to drop the request of the client that left",
+        "the engine to abort the request of the client that left",
     )
-    # The engine is free: a new request is answered at once and completely.
+    assert engine_metric(engine_url, "vllm:num_requests_running") == 0
+    # The engine is free: a new request is answered completely.
     reply = generate(vllm.url, {"input_ids": PROMPT, "sampling_params": GREEDY})
     assert reply.status_code == 200 and len(reply.json()["output_ids"]) == 6
 
@@ -335,3 +341,20 @@ def test_a_mixed_fleet_serves_version_pinned_rollouts_without_violations(
             assert len(answer["meta_info"]["output_token_logprobs"]) == 6
             answered[precision] = answered.get(precision, 0) + 1
     assert answered == {"bf16": 3, "fp8": 3, "nvfp4": 3}
+
+
+def test_an_agent_for_vllm_refuses_to_start_beside_another_engine_naming_the_fix(
+    bf16_engine: ReferenceEngineProcess, tiny: TinyCheckpoints, tmp_path: Path
+) -> None:
+    chain = VersionChain(tmp_path / "store", RUN, tiny.bf16)
+    agent = launch_agent(
+        "agent-wrong-kind", bf16_engine.url or "", "bf16", tmp_path,
+        store_root=chain.store_root, run_id=RUN, boot_model=tiny.bf16,
+        extra=("--engine-kind", "vllm"),
+    )  # fmt: skip
+    try:
+        code = agent.process.wait(timeout=120)
+    finally:
+        stop_all([agent])
+    assert code == 1
+    assert "is not a vLLM server" in agent.log_tail() and "--engine-kind" in agent.log_tail()
