@@ -26,6 +26,8 @@ def test_refit_bench_prints_its_figures_as_the_last_json_line(tmp_path: Path) ->
         assert figures[key] > 0, key
     assert figures["requests_during_staging"] >= 0
     assert figures["pause_s"] < figures["full_reload_pause_s"]
+    assert figures["engine"] == "reference"
+    assert figures["logprobs_match_after_commit"] is True, figures["logprobs_max_gap"]
 
 
 def test_refit_bench_at_fp8_shows_conversion_with_and_without_incremental(

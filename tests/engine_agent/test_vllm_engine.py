@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import threading
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,7 +83,7 @@ def vllm(tiny: TinyCheckpoints, tmp_path_factory: pytest.TempPathFactory) -> Ite
             p: launch_reference_engine(b, root / f"engine-{p}.log") for p, b in boots.items()
         }
         started += references.values()
-        engine = start_vllm_engine(tiny.bf16, root / "vllm.log")
+        engine = start_vllm_engine(tiny.bf16, root / "vllm.log", "--", "--enable-log-requests")
         started.append(engine)
         agent = launch_agent(
             "agent-vllm", engine.url or "", "bf16", root, store_root=chain.store_root,
@@ -180,10 +181,13 @@ def test_streaming_is_cumulative_and_ends_with_the_version_span(vllm: VLLMSetup)
         for line in reply.iter_lines():
             if line.startswith("data:") and line.strip() != "data: [DONE]":
                 chunks.append(json.loads(line[5:]))
-    assert len(chunks) >= 2
-    lengths = [len(c["output_ids"]) for c in chunks]
-    assert lengths == sorted(lengths) and lengths[-1] == 6
+    # vLLM merges the steps a slow reader has not taken yet, so a busy machine may see one
+    # chunk; whatever their number, each one holds everything generated so far.
     last = chunks[-1]
+    assert len(last["output_ids"]) == 6
+    for chunk in chunks:
+        assert last["output_ids"][: len(chunk["output_ids"])] == chunk["output_ids"]
+        assert last["text"].startswith(chunk["text"])
     assert last["meta_info"]["finish_reason"] is not None
     assert last["weight_version_start"] == last["weight_version_end"] == served
     whole = generate(vllm.url, {"input_ids": PROMPT, "sampling_params": GREEDY}).json()
@@ -271,18 +275,10 @@ def test_a_commit_under_load_loses_no_request(vllm: VLLMSetup) -> None:
     assert any(answer["weight_version_end"] == target for _, answer in results)
 
 
-def engine_metric(engine_url: str, name: str, label: str = "") -> float:
-    """The sum of vLLM's Prometheus samples `name` whose labels contain `label`."""
-    text = httpx.get(f"{engine_url}/metrics", timeout=10).text
-    lines = [ln for ln in text.splitlines() if ln.startswith(name + "{") and label in ln]
-    return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines)
-
-
 def test_a_client_that_leaves_aborts_its_engine_request(vllm: VLLMSetup) -> None:
-    engine_url = vllm.engine.url or ""
-    aborted = 'finished_reason="abort"'
-    before = engine_metric(engine_url, "vllm:request_success_total", aborted)
+    rid = f"leaves-{uuid.uuid4().hex}"
     body = {
+        "rid": rid,
         "input_ids": PROMPT,
         "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True},
         "stream": True,
@@ -292,12 +288,12 @@ def test_a_client_that_leaves_aborts_its_engine_request(vllm: VLLMSetup) -> None
         for line in reply.iter_lines():
             if line.startswith("data:"):
                 break  # the first chunk: the engine is generating; now leave
+    # vLLM logs each abort (--enable-log-requests) with the request id it was given.
     wait_until(
-        lambda: engine_metric(engine_url, "vllm:request_success_total", aborted) > before,
+        lambda: f"Aborted request(s) generate-tokens-{rid}" in vllm.engine.log_tail(200_000),
         60.0,
         "the engine to abort the request of the client that left",
     )
-    assert engine_metric(engine_url, "vllm:num_requests_running") == 0
     # The engine is free: a new request is answered completely.
     reply = generate(vllm.url, {"input_ids": PROMPT, "sampling_params": GREEDY})
     assert reply.status_code == 200 and len(reply.json()["output_ids"]) == 6
