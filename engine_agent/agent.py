@@ -162,6 +162,8 @@ class Agent:
         deadline = time.monotonic() + ENGINE_START_DEADLINE_S
         while True:
             try:
+                # The check first: a wrong kind of engine answers the info route with 404.
+                await self.engine.check()
                 info = await self.engine.info()
                 break
             except EngineUnreachable as exc:
@@ -169,7 +171,6 @@ class Agent:
                     raise
                 log.info("waiting for the engine: %s", exc)
                 await asyncio.sleep(1.0)
-        await self.engine.check()
         boot = self.settings.boot_version
         if boot is not None:
             if info.weight_version != str(boot):

@@ -19,14 +19,14 @@ import httpx
 
 from engine_agent.engines.base import (
     Dialect,
-    Engine,
     EngineInfo,
     EngineRequest,
     PauseMode,
     UpdateResult,
     namespace_key,
 )
-from engine_agent.errors import EngineRefused, EngineUnreachable
+from engine_agent.engines.http import HTTPEngine
+from engine_agent.errors import EngineRefused
 
 log = logging.getLogger(__name__)
 
@@ -71,48 +71,13 @@ class SGLangDialect(Dialect):
                 log.warning("could not abort %s at the engine: %s", rid, exc)
 
 
-class SGLangEngine(Engine):
+class SGLangEngine(HTTPEngine):
     """An SGLang (or reference) server at `url`, e.g. `http://127.0.0.1:30000`."""
 
     kind = "sglang"
     dialect = SGLangDialect()
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        api_key: str | None = None,
-        control_timeout_s: float = 10.0,
-        load_timeout_s: float = 600.0,
-    ) -> None:
-        self.url = url.rstrip("/")
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._client = httpx.AsyncClient(
-            base_url=self.url, headers=headers, timeout=control_timeout_s
-        )
-        self._load_timeout_s = load_timeout_s
-        self._info_path = "/model_info"
-
-    def __repr__(self) -> str:
-        return f"SGLangEngine({self.url!r})"
-
-    async def _call(
-        self, method: str, path: str, body: dict[str, Any] | None = None, **kwargs: Any
-    ) -> httpx.Response:
-        try:
-            reply = await self._client.request(method, path, json=body, **kwargs)
-        except httpx.HTTPError as exc:
-            raise EngineUnreachable(
-                f"engine at {self.url} did not answer {method} {path}: "
-                f"{type(exc).__name__}: {exc}; check that the engine process is running"
-            ) from exc
-        if reply.status_code >= 400:
-            raise EngineRefused(
-                f"engine at {self.url} answered {method} {path} with {reply.status_code}: "
-                f"{reply.text[:500]}",
-                reply.status_code,
-            )
-        return reply
+    _info_path = "/model_info"
 
     async def check(self) -> None:
         # Every route the adapter uses exists in every release it supports (0.5.17+); a
@@ -167,6 +132,3 @@ class SGLangEngine(Engine):
 
     async def abort(self, rid: str) -> None:
         await self._call("POST", "/abort_request", {"rid": rid})
-
-    async def close(self) -> None:
-        await self._client.aclose()

@@ -21,13 +21,11 @@ Must never decide when to update: that is the reconciler's job.
 from __future__ import annotations
 
 import time
-from typing import Any
 
-import httpx
-
-from engine_agent.engines.base import Engine, EngineInfo, PauseMode, UpdateResult
+from engine_agent.engines.base import EngineInfo, PauseMode, UpdateResult
+from engine_agent.engines.http import HTTPEngine
 from engine_agent.engines.vllm_dialect import TOKEN_ROUTE, VLLMDialect
-from engine_agent.errors import EngineIncompatible, EngineRefused, EngineUnreachable
+from engine_agent.errors import EngineIncompatible, EngineRefused
 
 MIN_VERSION = (0, 32)
 # Routes the agent drives; `/openapi.json` must list them all.
@@ -52,52 +50,13 @@ def parse_version(text: str) -> tuple[int, int]:
         return 0, 0
 
 
-class VLLMEngine(Engine):
+class VLLMEngine(HTTPEngine):
     """A vLLM server at `url`, e.g. `http://127.0.0.1:8000`."""
 
     kind = "vllm"
     dialect = VLLMDialect()
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        api_key: str | None = None,
-        control_timeout_s: float = 30.0,
-        load_timeout_s: float = 600.0,
-    ) -> None:
-        self.url = url.rstrip("/")
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._client = httpx.AsyncClient(
-            base_url=self.url, headers=headers, timeout=control_timeout_s
-        )
-        self._load_timeout_s = load_timeout_s
-        self._model_path = ""
-
-    def __repr__(self) -> str:
-        return f"VLLMEngine({self.url!r})"
-
-    async def _call(
-        self,
-        method: str,
-        path: str,
-        body: dict[str, Any] | None = None,
-        **kwargs: Any,
-    ) -> httpx.Response:
-        try:
-            reply = await self._client.request(method, path, json=body, **kwargs)
-        except httpx.HTTPError as exc:
-            raise EngineUnreachable(
-                f"vLLM at {self.url} did not answer {method} {path}: "
-                f"{type(exc).__name__}: {exc}; check that the engine process is running"
-            ) from exc
-        if reply.status_code >= 400:
-            raise EngineRefused(
-                f"vLLM at {self.url} answered {method} {path} with {reply.status_code}: "
-                f"{reply.text[:500]}",
-                reply.status_code,
-            )
-        return reply
+    _model_path = ""
 
     async def check(self) -> None:
         try:
@@ -161,6 +120,3 @@ class VLLMEngine(Engine):
 
     async def abort(self, rid: str) -> None:
         await self._call("POST", "/abort_requests", {"request_ids": [rid]})
-
-    async def close(self) -> None:
-        await self._client.aclose()
