@@ -252,7 +252,10 @@ def run(
         staging_started = commit_started - last["stage_s"]
         during = sum(1 for t in done if staging_started <= t <= commit_started)
         with console.status("comparing the engine's logprobs with transformers' for v1"):
-            matched, gap = _logprobs_match(agent_url, boot, v1)
+            # Quantized engines differ from BF16 by design; the check is for BF16.
+            matched, gap = (
+                _logprobs_match(agent_url, boot, v1) if precision == "bf16" else (None, None)
+            )
         agent.stop(15)
 
         # Naive 1: pause, then fetch + fold + write + load with nothing prepared in advance.
@@ -327,7 +330,7 @@ def run(
         "update_fraction": update_fraction,
         **stages,
         "logprobs_match_after_commit": matched,
-        "logprobs_max_gap": round(gap, 5),
+        "logprobs_max_gap": None if gap is None else round(gap, 5),
     }
     table = Table("refit", "engine paused (s)", "vs staged")
     table.add_row("staged by the agent (commit only)", f"{figures['pause_s']:.3f}", "1.00x")
