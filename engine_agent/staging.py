@@ -152,7 +152,6 @@ class Stager:
             shutil.rmtree(final, ignore_errors=True)
             scratch.rename(final)
         except OSError as exc:
-            self._converter.converter.reset()  # its tensors may not match any folder now
             shutil.rmtree(scratch, ignore_errors=True)
             raise StageFailed(f"writing the staged folder {final} failed: {exc}") from exc
         write_s = time.perf_counter() - started

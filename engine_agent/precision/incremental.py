@@ -15,9 +15,9 @@ exactly the bytes `convert_tensors` would write, touching only what the change r
   when a group that may have held it (its previous scale was 448) changes: the amax is then
   measured again, and if it moved, the fused group is converted in full.
 
-Everything else falls back to a full conversion: no previous state (boot, restart, a jump
-from an anchor), a different tensor set or layout, another set of input scales, or a tensor
-whose change is dense (more than `dense_fraction` of its elements). Elements are recoded
+Everything else falls back to a full conversion: no previous state (boot, restart, a
+conversion that raised), unknown positions, a different tensor set or layout, another
+config or set of input scales, or a tensor whose change is dense (more than `dense_fraction` of its elements). Elements are recoded
 with the same functions and the same fp32 operations as a full conversion
 (`fp8.encode`, `nvfp4.encode_groups`), which is what makes the result bit-identical.
 
