@@ -17,9 +17,10 @@ exactly the bytes `convert_tensors` would write, touching only what the change r
 
 Everything else falls back to a full conversion: no previous state (boot, restart, a
 conversion that raised), unknown positions, a different tensor set or layout, another
-config or set of input scales, or a tensor whose change is dense (more than `dense_fraction` of its elements). Elements are recoded
-with the same functions and the same fp32 operations as a full conversion
-(`fp8.encode`, `nvfp4.encode_groups`), which is what makes the result bit-identical.
+config or set of input scales, or a tensor whose change is dense (more than
+`dense_fraction` of its elements). Elements are recoded with the same functions and the
+same fp32 operations as a full conversion (`fp8.encode`, `nvfp4.encode_groups`), which is
+what makes the result bit-identical.
 
 State kept between versions: the converted checkpoint itself (updated in place, so at most
 one copy besides the staged folder on disk), one fp32 amax per FP8 tile (1/16384 of the
