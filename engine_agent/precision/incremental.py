@@ -23,9 +23,10 @@ same fp32 operations as a full conversion (`fp8.encode`, `nvfp4.encode_groups`),
 what makes the result bit-identical.
 
 State kept between versions: the converted checkpoint itself (updated in place, so at most
-one copy besides the staged folder on disk), one fp32 amax per FP8 tile (1/16384 of the
-weights) and one float per NVFP4 fused group. A conversion that raises leaves no state, so
-the next one is full. Must never write into the caller's canonical tensors.
+one copy besides the staged folder on disk), one fp32 threshold (its amax) per FP8 tile
+(1/16384 of the weights) and one float per NVFP4 fused group. A conversion that raises
+leaves no state, so the next one is full. Must never write into the caller's canonical
+tensors.
 """
 
 from __future__ import annotations
