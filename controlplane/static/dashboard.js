@@ -118,9 +118,14 @@ function fillOptions(select, values, all) {
   if (values.includes(keep)) select.value = keep;
 }
 
-function card(value, label, id) {
-  return `<div class="card" id="${id}"><b>${esc(value)}</b><span>${esc(label)}</span></div>`;
+function card(value, label, id, detail) {
+  const more = detail ? `<small>${esc(detail)}</small>` : "";
+  return `<div class="card" id="${id}"><b>${esc(value)}</b><span>${esc(label)}</span>${more}</div>`;
 }
+
+// "reason 1.2/s, other 0.1/s": where the 409s and retries come from.
+const byReason = (rates) => Object.entries(rates || {}).sort((a, b) => b[1] - a[1])
+  .map(([reason, r]) => `${reason} ${rate(r)}`).join(", ");
 
 function drawRates(data, run, engines) {
   const r = data.rates;
@@ -131,8 +136,8 @@ function drawRates(data, run, engines) {
     card(engines.length, "engines", "card-engines"),
     card(serving.length ? Math.round((100 * onLatest) / serving.length) + "%" : "—",
       "serving the latest", "card-latest"),
-    card(rate(r.not_ready_per_s), "409 not ready", "card-409"),
-    card(rate(r.retries_per_s), "engine retries", "card-retries"),
+    card(rate(r.not_ready_per_s), "409 not ready", "card-409", byReason(r.not_ready_by_reason)),
+    card(rate(r.retries_per_s), "engine retries", "card-retries", byReason(r.retries_by_reason)),
     card(rate(r.requests_per_s), "requests", "card-requests"),
     card(last && last.staleness_mean !== null ? num(last.staleness_mean, 2) : "—",
       "rollout staleness (mean)", "card-staleness"),

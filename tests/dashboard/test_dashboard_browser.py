@@ -177,6 +177,20 @@ def test_the_trainer_gap_reported_through_the_rollout_client_appears_on_the_page
         assert page.locator("#gap svg.spark polyline").count() == 2
 
 
+def test_409s_show_up_as_a_rate_with_their_reason(fleet: Fleet) -> None:
+    body = {"text": "1+1=", "run_id": RUN, "weight_version": {"exact_version": 9999}}
+    for _ in range(3):  # a version nobody serves: the router answers 409 at once
+        reply = fleet.cp.call("POST", "/v1/generate", "client", json=body)
+        assert reply.status_code == 409, reply.text
+    with browser_page() as page:
+        page.goto(fleet.page_url())
+        page.wait_for_function(
+            "() => (document.querySelector('#card-409 small')?.textContent || '').includes('/s')",
+            timeout=SHOW_MS,
+        )
+        assert page.locator("#card-409 b").inner_text() != "0.000/s"
+
+
 def test_a_wrong_token_shows_the_login_form_with_the_reason(fleet: Fleet) -> None:
     with browser_page() as page:
         page.goto(f"{fleet.cp.url}/dashboard#token=tth_wrong")
