@@ -67,13 +67,15 @@ test: $(STAMP) $(CHECKOV) $(VLLM_STAMP)
 	@command -v promtool >/dev/null \
 		|| (apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus) \
 		|| echo "warning: could not install prometheus; alert rules get the shape check only"
-	$(BIN)/ruff check .
-	$(BIN)/ruff format --check .
+	$(MAKE) lint
 	TETHER_BROWSER_TESTS=required $(BIN)/pytest -q
 
+# The same three checks run as pre-commit hooks (.pre-commit-config.yaml):
+# `.venv/bin/pre-commit install` once per clone.
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .tether

@@ -231,7 +231,8 @@ def run(
             server.wait_http(ready_path, 900, interval_s=0.05)
             agent.wait_http("/health", 600, interval_s=0.05)
 
-        stop, done = threading.Event(), []
+        stop = threading.Event()
+        done: list[float] = []
         client = threading.Thread(
             target=_client_loop, args=(agent_url, stop, done, client_tokens), daemon=True
         )

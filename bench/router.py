@@ -23,6 +23,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,14 +44,22 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def _start_controlplane(
-    procs: ProcessGroup, db_url: str, store: Path, workers: int = 1, **env: str
+    procs: ProcessGroup,
+    db_url: str,
+    store: Path,
+    workers: int = 1,
+    env: Mapping[str, str] | None = None,
 ) -> str:
     port = free_port()
     argv = [TETHER, "controlplane", "serve", "--db", db_url, "--store", str(store),
             "--port", str(port), "--log-level", "warning", "--workers", str(workers)]  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     procs.start(
-        f"controlplane-{port}", argv, env={"TETHER_ADMIN_TOKEN": ADMIN, **env}, url=url, cwd=ROOT
+        f"controlplane-{port}",
+        argv,
+        env={"TETHER_ADMIN_TOKEN": ADMIN, **(env or {})},
+        url=url,
+        cwd=ROOT,
     ).wait_http("/readyz", START_DEADLINE_S)
     return url
 
@@ -438,7 +447,7 @@ def run(
 
         figures["heartbeat_p99_ms_sqlite"] = figures["heartbeat_p99_ms_postgres"] = None
         if heartbeat_seconds > 0:
-            hb_cp = _start_controlplane(procs, f"sqlite:///{work / 'hb.db'}", store, **LONG_LEASE)
+            hb_cp = _start_controlplane(procs, f"sqlite:///{work / 'hb.db'}", store, env=LONG_LEASE)
             figures["heartbeat_p99_ms_sqlite"] = round(
                 _heartbeats(hb_cp, fleet, heartbeat_seconds), 2
             )
@@ -449,7 +458,7 @@ def run(
         if pg_url and heartbeat_seconds > 0:
             fresh_url, drop_database = _fresh_pg_database(pg_url)
             try:
-                pg_cp = _start_controlplane(procs, fresh_url, store, **LONG_LEASE)
+                pg_cp = _start_controlplane(procs, fresh_url, store, env=LONG_LEASE)
                 figures["heartbeat_p99_ms_postgres"] = round(
                     _heartbeats(pg_cp, fleet, heartbeat_seconds), 2
                 )

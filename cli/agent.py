@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -59,7 +60,7 @@ def run(
     from engine_agent.agent import Agent
     from engine_agent.settings import AgentSettings
 
-    given = {
+    given: dict[str, Any] = {
         "engine_url": engine_url,
         "engine_kind": engine_kind,
         "precision": precision,

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import typer
 from rich.console import Console
 
 app = typer.Typer(
     help="Run the control plane (fleet registry, versions, router).", no_args_is_help=True
 )
+if TYPE_CHECKING:
+    from controlplane.settings import ControlPlaneSettings
+
 console = Console()
 err = Console(stderr=True)
 
 
-def _settings(**overrides: object):  # type: ignore[no-untyped-def]
+def _settings(**overrides: Any) -> ControlPlaneSettings:
     from pydantic import ValidationError
 
     from controlplane.settings import ControlPlaneSettings

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -106,7 +106,7 @@ def demo(
             except ValueError as exc:
                 raise fail(str(exc)) from None
         try:
-            given = {
+            given: dict[str, Any] = {
                 "steps": steps,
                 "engines": count,
                 "layout": layout,

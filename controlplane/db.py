@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any, cast
 
-from sqlalchemy import Engine, create_engine, event, text
+from sqlalchemy import CursorResult, Engine, Result, create_engine, event, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -80,3 +81,8 @@ def migrate(url: str) -> str:
 def ping(engine: Engine) -> None:
     with engine.connect() as conn:
         conn.execute(text("SELECT 1"))
+
+
+def rows_affected(result: Result[Any]) -> int:
+    """How many rows an UPDATE or DELETE changed (its result is always a cursor result)."""
+    return cast(CursorResult[Any], result).rowcount

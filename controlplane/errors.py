@@ -8,6 +8,7 @@ HTTP status. Handlers here turn them, FastAPI's validation errors and stray HTTP
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -137,7 +138,7 @@ def error_response(error: ApiError) -> Response:
     )
 
 
-def field_path(loc: tuple[Any, ...] | list[Any]) -> str:
+def field_path(loc: Sequence[Any]) -> str:
     """`("body", "weight_version", "min_version")` → `body.weight_version.min_version`."""
     return ".".join(str(part) for part in loc)
 

@@ -7,13 +7,17 @@ version (or a newer one)? Never writes to the store.
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 from controlplane.errors import VersionNotAtPointer
 from store.types import VersionRef
 
+if TYPE_CHECKING:
+    from store.store import Store
+
 
 @lru_cache(maxsize=64)
-def _store(url: str):  # type: ignore[no-untyped-def]
+def _store(url: str) -> Store:
     from store.store import Store
 
     return Store(url)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from functools import partial
 
 import xxhash
 
@@ -48,6 +49,11 @@ def active_pins(
     )
 
 
+def _pin_order(version: int, engine: PolicyEngine) -> tuple[bool, int]:
+    """Engines already on the pinned version first, then a stable per-version order."""
+    return engine.applied_version != version, -rendezvous_score(f"pin:{version}", engine.engine_id)
+
+
 def assign_targets(
     policy: TargetPolicy,
     latest: int | None,
@@ -61,12 +67,7 @@ def assign_targets(
     taken: set[str] = set()
     for version in active_pins(policy, latest, demand, now):
         candidates = [e for e in engines if e.eligible and e.engine_id not in taken]
-        candidates.sort(
-            key=lambda e, v=version: (
-                e.applied_version != v,
-                -rendezvous_score(f"pin:{v}", e.engine_id),
-            )
-        )
+        candidates.sort(key=partial(_pin_order, version))
         for engine in candidates[: policy.engines]:
             targets[engine.engine_id] = version
             taken.add(engine.engine_id)

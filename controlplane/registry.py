@@ -12,17 +12,29 @@ import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
+from typing import cast
 
-from sqlalchemy import Connection, and_, bindparam, case, delete, select, text, update
+from sqlalchemy import (
+    Connection,
+    Table,
+    and_,
+    bindparam,
+    case,
+    delete,
+    select,
+    text,
+    update,
+)
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
+from controlplane.db import rows_affected
 from controlplane.errors import EngineUnknown, RunUnknown
 from controlplane.models import Engine, Pin, Run
 from controlplane.snapshot import EngineView
 from wire import EngineRegister, Heartbeat, Precision, SyncState
 
-_ENGINES = Engine.__table__
+_ENGINES = cast(Table, Engine.__table__)
 # A new staging target restarts the clock the Retry-After estimate is based on.
 _HEARTBEAT = (
     update(_ENGINES)
@@ -220,7 +232,8 @@ class Registry:
 
     def deregister(self, engine_id: str) -> None:
         with self._sessions.begin() as db:
-            if db.execute(delete(Engine).where(Engine.engine_id == engine_id)).rowcount == 0:
+            deleted = db.execute(delete(Engine).where(Engine.engine_id == engine_id))
+            if rows_affected(deleted) == 0:
                 raise EngineUnknown(f"engine {engine_id!r} is not registered")
 
     def leased(self, now: float | None = None) -> list[EngineView]:
@@ -278,7 +291,7 @@ class Registry:
         """Delete engines whose lease lapsed more than `grace_s` ago."""
         with self._sessions.begin() as db:
             cut = time.time() - grace_s
-            return db.execute(delete(Engine).where(Engine.lease_expires_at < cut)).rowcount
+            return rows_affected(db.execute(delete(Engine).where(Engine.lease_expires_at < cut)))
 
     def record_demand(self, demand: Mapping[tuple[str, int], float]) -> None:
         """Upsert the last time exact-version requests asked for each (run, version)."""

@@ -14,7 +14,7 @@ from collections.abc import Collection, Mapping
 import numpy as np
 import xxhash
 
-from controlplane.snapshot import EngineView, FleetSnapshot
+from controlplane.snapshot import EngineView, FleetSnapshot, Group
 from store.types import VersionConstraint
 from wire import Precision
 
@@ -28,7 +28,15 @@ def _mix(x: np.ndarray) -> np.ndarray:
     """splitmix64's finaliser, vectorised: a well-spread score for (session, engine)."""
     x = (x ^ (x >> _S30)) * _M1
     x = (x ^ (x >> _S27)) * _M2
-    return x ^ (x >> _S31)
+    mixed: np.ndarray = x ^ (x >> _S31)
+    return mixed
+
+
+# Power-of-two draws when the caller brings no generator of its own.
+_RANDOM = random.Random()
+
+# One precision group's engines whose versions satisfy the constraint: group[lo:hi].
+Span = tuple[Group, int, int]
 
 
 def session_key(session_id: str) -> np.uint64:
@@ -40,8 +48,8 @@ def _candidates(
     run_id: str,
     constraint: VersionConstraint,
     precisions: Collection[Precision] | None,
-) -> list[tuple[object, int, int]]:
-    spans = []
+) -> list[Span]:
+    spans: list[Span] = []
     for precision in ALL_PRECISIONS if precisions is None else precisions:
         group = snap.groups.get((run_id, precision))
         if group is None:
@@ -78,10 +86,12 @@ def pick(
         return None
     if session_id is not None:
         return _by_affinity(spans, session_key(session_id), exclude, now)
-    return _by_load(spans, exclude, local_in_flight or {}, now, rng or random)
+    return _by_load(spans, exclude, local_in_flight or {}, now, rng or _RANDOM)
 
 
-def _by_affinity(spans, key: np.uint64, exclude: Collection[str], now: float):  # type: ignore[no-untyped-def]
+def _by_affinity(
+    spans: list[Span], key: np.uint64, exclude: Collection[str], now: float
+) -> EngineView | None:
     best: EngineView | None = None
     best_score = -1
     for group, lo, hi in spans:
@@ -97,7 +107,13 @@ def _by_affinity(spans, key: np.uint64, exclude: Collection[str], now: float):  
     return best
 
 
-def _by_load(spans, exclude, local_in_flight, now, rng):  # type: ignore[no-untyped-def]
+def _by_load(
+    spans: list[Span],
+    exclude: Collection[str],
+    local_in_flight: Mapping[str, int],
+    now: float,
+    rng: random.Random,
+) -> EngineView | None:
     sizes = [hi - lo for _, lo, hi in spans]
     total = sum(sizes)
 

@@ -13,6 +13,7 @@ from sqlalchemy import or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
+from controlplane.db import rows_affected
 from controlplane.errors import RunExists, RunUnknown
 from controlplane.models import Run, Version
 from controlplane.snapshot import RunView
@@ -97,7 +98,7 @@ class Runs:
                 .where(Run.run_id == run_id)
                 .values(policy=policy.model_dump(mode="json"))
             )
-            if db.execute(stmt).rowcount == 0:
+            if rows_affected(db.execute(stmt)) == 0:
                 raise RunUnknown(f"run {run_id!r} does not exist")
         return self.get(run_id)
 

@@ -85,7 +85,7 @@ class Learner:
         return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids))
+        return str(self.tokenizer.decode(list(ids)))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v for k, v in self.model.state_dict().items() if k in self.published_names}

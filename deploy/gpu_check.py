@@ -252,7 +252,7 @@ def server_info(engine: Engine) -> dict[str, Any]:
 def generate(url: str, input_ids: list[int], max_new_tokens: int, greedy: bool) -> dict:
     import httpx
 
-    sampling = {"max_new_tokens": max_new_tokens, "ignore_eos": True}
+    sampling: dict[str, Any] = {"max_new_tokens": max_new_tokens, "ignore_eos": True}
     sampling |= (
         {"temperature": 0.0, "top_p": 1.0, "top_k": 1}
         if greedy
@@ -500,6 +500,7 @@ def run_check(work: Path, sglang_spec: str, cuda_graph: bool, kind: str = "sglan
                 direct.append(group.start(f"direct-{precision}", argv, env=SGLANG_ENV, url=url))
             for precision, process in zip(PRECISIONS, direct, strict=True):
                 process.wait_http("/model_info", ENGINE_START_S)
+                assert process.url is not None  # started with url= above
                 answers = direct_outputs(process.url)
                 report.add(compare_outputs(precision, served[precision], answers))
         except ProcessFailed as exc:
@@ -538,7 +539,7 @@ def main(
         raise typer.Exit(2)
     checks = run_check(work, sglang, cuda_graph, engine).items
     failed = [c for c in checks if not c.ok]
-    summary = {"passed": len(checks) - len(failed), "failed": len(failed)}
+    summary: dict[str, float] = {"passed": len(checks) - len(failed), "failed": len(failed)}
     summary["seconds"] = round(time.monotonic() - started, 1)
     print(json.dumps(summary))
     if failed or keep:

@@ -323,18 +323,18 @@ class Agent:
             for task in done:
                 if task is stop or task.cancelled():
                     continue
-                exc = task.exception()
-                if isinstance(exc, UnrecoverableEngineError):
-                    log.error("terminal %s: %s", type(exc).__name__, exc)
+                failure = task.exception()
+                if isinstance(failure, UnrecoverableEngineError):
+                    log.error("terminal %s: %s", type(failure).__name__, failure)
                     code = EXIT_UNRECOVERABLE
-                elif exc is not None:
-                    log.error("%s failed", task.get_name(), exc_info=exc)
+                elif failure is not None:
+                    log.error("%s failed", task.get_name(), exc_info=failure)
                     code = EXIT_UNRECOVERABLE
         finally:
             await self._shutdown(server, tasks | {stop})
         return code
 
-    async def _shutdown(self, server: uvicorn.Server, tasks: set[asyncio.Task]) -> None:
+    async def _shutdown(self, server: uvicorn.Server, tasks: set[asyncio.Task[Any]]) -> None:
         log.info("shutting down")
         started = time.perf_counter()
         if self.control is not None and self.engine_id is not None:
@@ -361,7 +361,7 @@ def make_engine(settings: AgentSettings) -> Engine:
     return adapter(settings.engine_url, load_timeout_s=settings.engine_load_timeout_s)
 
 
-def _canonical_boot_tensors(settings: AgentSettings) -> dict | None:
+def _canonical_boot_tensors(settings: AgentSettings) -> dict[str, Any] | None:
     """The boot folder's tensors as canonical `RawTensor`s when it is BF16 (else None)."""
     from engine_agent.precision.checkpoint import read_config, read_tensors
     from store.torch_bridge import state_dict_to_raw

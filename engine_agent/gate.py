@@ -92,11 +92,12 @@ class AdmissionGate:
                     raise VersionNotReady(
                         constraint, self._served, "a weight update is in progress"
                     ) from None
-            if not constraint.satisfied_by(self._served):
+            served = self._served
+            if served is None or not constraint.satisfied_by(served):
                 if self._on_reject is not None:
                     self._on_reject(constraint)
-                raise VersionNotReady(constraint, self._served, "version not served here")
-            admission = Admission(self._served, constraint.exact_version is not None)
+                raise VersionNotReady(constraint, served, "version not served here")
+            admission = Admission(served, constraint.exact_version is not None)
             self._in_flight += 1
             if admission.exact:
                 self._exact[admission.version] += 1

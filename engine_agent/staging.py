@@ -26,6 +26,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from engine_agent.errors import StageFailed
 from store.tensors import RawTensor
@@ -65,11 +66,11 @@ class Stager:
         self.root = Path(work_dir) / STAGED_DIR
         self.precision = precision
         self.boot_model = boot_model
-        self._config: dict | None = None
+        self._config: dict[str, Any] | None = None
         self._input_scales: dict[str, float] | None = None
         self._converter = VersionConverter(precision, incremental=incremental)
 
-    def _boot_config(self) -> dict:
+    def _boot_config(self) -> dict[str, Any]:
         from engine_agent.precision.checkpoint import read_config
 
         if self._config is None:
@@ -100,7 +101,9 @@ class Stager:
         scales = read_input_scales(self.boot_model) if self.boot_model else {}
         if not scales:
             boot = read_tensors(self.boot_model) if self.boot_model else {}
-            source: Mapping = boot if "quantization_config" not in config else (fallback or {})
+            source: Mapping[str, Any] = (
+                boot if "quantization_config" not in config else (fallback or {})
+            )
             if not source:
                 raise StageFailed("NVFP4 needs input scales: give an NVFP4 or BF16 boot checkpoint")
             plan = plan_quantization(dict(source), "nvfp4")

@@ -106,7 +106,8 @@ class ManagedProcess:
     ) -> ManagedProcess:
         """Poll `url + path` every `interval_s` until it answers 200 (or as `ready` wants).
         If the child exits first or the deadline passes, stop it and raise `ProcessFailed`."""
-        if self.url is None:
+        url = self.url
+        if url is None:
             raise ValueError(f"{self.name} was started without a URL; pass url= to wait on it")
         accept = ready or (lambda reply: reply.status_code == 200)
 
@@ -117,7 +118,7 @@ class ManagedProcess:
                     f"log {self.log_path}:\n{self.log_tail()}"
                 )
             try:
-                return accept(httpx.get(self.url + path, timeout=2.0))
+                return accept(httpx.get(url + path, timeout=2.0))
             except httpx.TransportError:
                 return False
 

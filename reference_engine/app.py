@@ -94,6 +94,7 @@ def build_specs(engine: ReferenceEngine, body: dict) -> tuple[list[RequestSpec],
         batch = isinstance(text, list)
         prompts = [engine.encode(t) for t in (text if batch else [text])]
     else:
+        assert input_ids is not None  # exactly one of the two, checked above
         batch = bool(input_ids) and isinstance(input_ids[0], list)
         prompts = input_ids if batch else [input_ids]
     vocab = engine.config.get("vocab_size", 0)

@@ -75,7 +75,7 @@ def weights_checksum(tensors: dict[str, torch.Tensor]) -> str:
     for name in sorted(tensors):
         digest.update(name.encode())
         digest.update(
-            tensors[name].detach().to(torch.bfloat16).contiguous().view(torch.uint8).numpy()
+            tensors[name].detach().to(torch.bfloat16).contiguous().view(torch.uint8).numpy().data
         )
     return digest.hexdigest()
 

@@ -248,7 +248,7 @@ async def chat_completions(request: Request) -> Response:
             tokenize=False,
             **(body.get("chat_template_kwargs") or {}),
         )
-        ids = engine.encode(prompt)
+        ids = engine.encode(str(prompt))
         top = int(body.get("top_logprobs") or 0)
         specs = _specs([list(ids)], body, _sampling(body, None), top, bool(body.get("logprobs")))
         if body.get("stream") and body.get("return_meta_info"):

@@ -240,7 +240,7 @@ class Scheduler:
             request.return_logprob and request.logprob_start_len >= 0 and not request.input_logprobs
         )
         if request.cache is None:
-            request.cache = DynamicCache(config=self.model.config)
+            request.cache = DynamicCache(config=self.model.config)  # type: ignore[arg-type]
             feed = request.input_ids + request.output_ids
         else:
             feed = request.output_ids[-1:]

@@ -7,8 +7,9 @@ anything itself: the caller watches `total` against its hard cap.
 
 from __future__ import annotations
 
+import io
 import threading
-from typing import BinaryIO
+from typing import IO, cast
 
 TRUNCATION_MARK = b"\n[... %d bytes omitted ...]\n"
 
@@ -53,13 +54,16 @@ def cap_bytes(data: bytes, keep: int) -> tuple[bytes, bool]:
 
 
 def drain_in_thread(
-    pipe: BinaryIO, stream: CappedStream, on_chunk: threading.Event
+    pipe: IO[bytes], stream: CappedStream, on_chunk: threading.Event
 ) -> threading.Thread:
     """Read `pipe` to EOF into `stream` on a daemon thread; set `on_chunk` after each read."""
 
+    # A Popen pipe is buffered (bufsize -1), so it has read1: whatever is available, <= n.
+    reader = cast(io.BufferedReader, pipe)
+
     def pump() -> None:
-        with pipe:
-            while chunk := pipe.read1(65536):
+        with reader:
+            while chunk := reader.read1(65536):
                 stream.feed(chunk)
                 on_chunk.set()
 

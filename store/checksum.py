@@ -12,6 +12,8 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
+from store.tensors import as_buffer
+
 CHECKSUM_FORMAT = "xxh3-128"
 
 
@@ -19,7 +21,7 @@ def tensor_checksum(data: np.ndarray | bytes | bytearray | memoryview) -> str:
     """xxh3-128 hex digest (32 lowercase hex characters) of the bytes of `data`."""
     if isinstance(data, np.ndarray) and not data.flags.c_contiguous:
         data = np.ascontiguousarray(data)
-    return xxhash.xxh3_128_hexdigest(data)
+    return xxhash.xxh3_128_hexdigest(as_buffer(data))
 
 
 def file_checksum(path: str | Path, chunk_bytes: int = 8 << 20) -> str:

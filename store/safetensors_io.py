@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from store.errors import CorruptPayload, InvalidName
-from store.tensors import DTYPE_SIZES, RawTensor
+from store.tensors import DTYPE_SIZES, RawTensor, as_buffer
 
 METADATA_KEY = "__metadata__"
 _HEADER_LIMIT = 100_000_000  # the reference implementation refuses larger headers too
@@ -89,7 +89,8 @@ def dump(tensors: Mapping[str, RawTensor], metadata: Mapping[str, str] | None = 
     text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     text += b" " * (-len(text) % 8)
     # One copy of each tensor straight into the result; no intermediate buffer.
-    parts = [struct.pack("<Q", len(text)), text, *(tensors[name].data for name in names)]
+    parts: list[bytes | memoryview] = [struct.pack("<Q", len(text)), text]
+    parts += (as_buffer(tensors[name].data) for name in names)
     return b"".join(parts)
 
 

@@ -110,3 +110,8 @@ class RawTensor:
 def total_bytes(tensors: Mapping[str, RawTensor]) -> int:
     """Sum of `nbytes` over a mapping of tensors (the checkpoint's size)."""
     return sum(t.nbytes for t in tensors.values())
+
+
+def as_buffer(data: np.ndarray | bytes | bytearray | memoryview) -> memoryview:
+    """`data`'s bytes as a memoryview, without a copy (an array must be C-contiguous)."""
+    return data.data if isinstance(data, np.ndarray) else memoryview(data)

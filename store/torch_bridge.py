@@ -45,7 +45,7 @@ def _torch_dtype(code: str) -> torch.dtype:
     import torch
 
     dtype = getattr(torch, _TORCH_NAMES.get(code, ""), None)
-    if dtype is None:
+    if not isinstance(dtype, torch.dtype):
         raise TensorMismatch(f"dtype {code!r} has no torch equivalent in this torch build")
     return dtype
 

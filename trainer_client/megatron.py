@@ -76,7 +76,8 @@ class DenseTransformerConfig:
     @classmethod
     def from_hf_config(cls, hf_config: Any) -> DenseTransformerConfig:
         """Build from a `transformers` config object or its dict (Llama/Qwen2/Qwen3 keys)."""
-        get = hf_config.get if isinstance(hf_config, Mapping) else hf_config.__dict__.get
+        source = hf_config if isinstance(hf_config, Mapping) else hf_config.__dict__
+        get: Callable[[str], Any] = source.get
         heads = get("num_attention_heads")
         return cls(
             num_layers=get("num_hidden_layers"),

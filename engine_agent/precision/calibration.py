@@ -11,8 +11,9 @@ Must never change weights.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -58,7 +59,7 @@ def _prompt_ids(tokenizer_dir: str | Path | None, vocab_size: int) -> list[list[
 
 def calibrate_input_scales(
     tensors: Mapping[str, torch.Tensor],
-    config: dict,
+    config: dict[str, Any],
     plan: QuantPlan,
     tokenizer_dir: str | Path | None = None,
     prompts: Sequence[Sequence[int]] | None = None,
@@ -67,15 +68,15 @@ def calibrate_input_scales(
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf_config = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"})
-    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)  # type: ignore[no-untyped-call]
     state = {k: v.to(torch.float32) for k, v in tensors.items()}
     model.load_state_dict(state, strict=False)
     model.eval()
     wanted = set(plan.quantized)
     amax: dict[str, float] = dict.fromkeys(wanted, 0.0)
 
-    def hook_for(name: str):
-        def hook(_module, args):
+    def hook_for(name: str) -> Callable[[torch.nn.Module, tuple[torch.Tensor, ...]], None]:
+        def hook(_module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
             amax[name] = max(amax[name], float(args[0].detach().abs().max()))
 
         return hook

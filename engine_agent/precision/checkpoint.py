@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -55,7 +56,7 @@ def folder_checksums(folder: str | Path) -> dict[str, str]:
     return {p.name: file_checksum(p) for p in sorted(Path(folder).iterdir()) if p.is_file()}
 
 
-def read_config(folder: str | Path) -> dict:
+def read_config(folder: str | Path) -> dict[str, Any]:
     """The folder's config.json as a dict."""
     path = Path(folder) / "config.json"
     if not path.is_file():
@@ -63,7 +64,8 @@ def read_config(folder: str | Path) -> dict:
             f"expected a Hugging Face checkpoint folder with config.json, found none at {path}; "
             "point at the folder that `tether model init-tiny` or the converter wrote"
         )
-    return json.loads(path.read_text())
+    config: dict[str, Any] = json.loads(path.read_text())
+    return config
 
 
 def shard_files(folder: str | Path) -> list[Path]:

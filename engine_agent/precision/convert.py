@@ -16,6 +16,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -48,7 +49,7 @@ class ConversionStats:
     input_scales_source: str
 
 
-def fp8_quantization_config(plan: QuantPlan) -> dict:
+def fp8_quantization_config(plan: QuantPlan) -> dict[str, Any]:
     """`quantization_config` for SGLang's `fp8` method with 128×128 blocks."""
     return {
         "quant_method": "fp8",
@@ -60,7 +61,7 @@ def fp8_quantization_config(plan: QuantPlan) -> dict:
     }
 
 
-def nvfp4_quantization_config(plan: QuantPlan) -> tuple[dict, dict]:
+def nvfp4_quantization_config(plan: QuantPlan) -> tuple[dict[str, Any], dict[str, Any]]:
     """(flat `config.json` `quantization_config`, nested `hf_quant_config.json`) for NVFP4."""
     ignore = sorted(set(plan.kept_linears))
     args = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": nvfp4.GROUP}
@@ -100,10 +101,10 @@ def _require_bf16_source(tensors: Mapping[str, torch.Tensor]) -> None:
 
 def convert_tensors(
     tensors: Mapping[str, torch.Tensor],
-    config: dict,
+    config: dict[str, Any],
     precision: str,
     input_scales: Mapping[str, float] | None = None,
-) -> tuple[dict[str, torch.Tensor], dict, dict[str, dict]]:
+) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, dict[str, Any]]]:
     """Quantize canonical tensors; return (tensors, config.json dict, extra JSON files).
 
     NVFP4 needs an `input_scale` for every quantized module: pass `input_scales`
@@ -119,7 +120,7 @@ def convert_tensors(
     out: dict[str, torch.Tensor] = {
         name: t for name, t in tensors.items() if name[: -len(".weight")] not in quantized
     }
-    extra: dict[str, dict] = {}
+    extra: dict[str, dict[str, Any]] = {}
     if precision == "fp8":
         for module in plan.quantized:
             q, scale_inv = fp8.quantize_fp8_block(tensors[f"{module}.weight"])
@@ -136,7 +137,8 @@ def convert_tensors(
             )
         for group in plan.groups:
             group_amax = max(nvfp4.tensor_amax(tensors[f"{m}.weight"]) for m in group)
-            shared_input = max(float(input_scales[m]) for m in group)
+            scales = input_scales or {}
+            shared_input = max(float(scales[m]) for m in group)
             for module in group:
                 packed, block_scale, scale_2 = nvfp4.quantize_nvfp4(
                     tensors[f"{module}.weight"], group_amax
@@ -157,7 +159,7 @@ def convert_checkpoint(
     out_dir: str | Path,
     input_scales: Mapping[str, float] | None = None,
     *,
-    config: dict | None = None,
+    config: dict[str, Any] | None = None,
     side_files_from: str | Path | None = None,
 ) -> ConversionStats:
     """Write `source` (a BF16 folder, or tensors + `config`) at `precision` into `out_dir`.

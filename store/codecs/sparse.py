@@ -21,7 +21,7 @@ import numpy as np
 
 from store.codecs.zstd_frames import ZstdContexts, decompress_exact
 from store.errors import CorruptPayload
-from store.tensors import ELEMENT_BITS, RawTensor
+from store.tensors import ELEMENT_BITS, RawTensor, as_buffer
 
 MAGIC = b"TSP1"
 VALUES_NEW = 0  # planes hold the changed elements' new bits
@@ -71,7 +71,8 @@ def _values(mode: int, new_values: np.ndarray, old_values: np.ndarray) -> np.nda
     if mode == VALUES_STEP:
         return zigzag(float_order(new_values) - float_order(old_values))
     if mode == VALUES_XOR:
-        return new_values ^ old_values
+        stored: np.ndarray = new_values ^ old_values
+        return stored
     return new_values
 
 
@@ -90,7 +91,8 @@ def float_order(bits: np.ndarray) -> np.ndarray:
     top = bits.dtype.type(8 * bits.dtype.itemsize - 1)
     ones = bits.dtype.type(np.iinfo(bits.dtype).max)
     sign = bits.dtype.type(1) << top
-    return bits ^ (((bits >> top) * ones) | sign)
+    keys: np.ndarray = bits ^ (((bits >> top) * ones) | sign)
+    return keys
 
 
 def float_unorder(keys: np.ndarray) -> np.ndarray:
@@ -98,19 +100,22 @@ def float_unorder(keys: np.ndarray) -> np.ndarray:
     top = keys.dtype.type(8 * keys.dtype.itemsize - 1)
     ones = keys.dtype.type(np.iinfo(keys.dtype).max)
     sign = keys.dtype.type(1) << top
-    return keys ^ ((((keys >> top) ^ keys.dtype.type(1)) * ones) | sign)
+    bits: np.ndarray = keys ^ ((((keys >> top) ^ keys.dtype.type(1)) * ones) | sign)
+    return bits
 
 
 def zigzag(d: np.ndarray) -> np.ndarray:
     """Wrapped difference -> small unsigned int: 0, -1, 1, -2, ... become 0, 1, 2, 3, ..."""
     top = d.dtype.type(8 * d.dtype.itemsize - 1)
     ones = d.dtype.type(np.iinfo(d.dtype).max)
-    return (d << d.dtype.type(1)) ^ ((d >> top) * ones)
+    z: np.ndarray = (d << d.dtype.type(1)) ^ ((d >> top) * ones)
+    return z
 
 
 def unzigzag(z: np.ndarray) -> np.ndarray:
     ones = z.dtype.type(np.iinfo(z.dtype).max)
-    return (z >> z.dtype.type(1)) ^ ((z & z.dtype.type(1)) * ones)
+    d: np.ndarray = (z >> z.dtype.type(1)) ^ ((z & z.dtype.type(1)) * ones)
+    return d
 
 
 def _plane_entropy(planes: list[np.ndarray]) -> float:
@@ -139,7 +144,7 @@ class SparseCodec:
 
     def _frames(self, planes: list[np.ndarray]) -> list[bytes]:
         # An all-zero plane is stored as an empty stream: a gap's top bytes usually are.
-        return [self._zstd.compressor.compress(p) if p.any() else b"" for p in planes]
+        return [self._zstd.compressor.compress(as_buffer(p)) if p.any() else b"" for p in planes]
 
     def encode_tensor(self, target: RawTensor, base: RawTensor) -> np.ndarray | None:
         width = target.itemsize
@@ -164,7 +169,7 @@ class SparseCodec:
 
     def apply_into(self, out: np.ndarray, payload: np.ndarray, itemsize: int, name: str) -> None:
         what = f"sparse payload of {name!r}"
-        raw = payload.tobytes() if not payload.flags.c_contiguous else payload
+        raw = as_buffer(payload if payload.flags.c_contiguous else payload.tobytes())
         if payload.size < _HEADER.size:
             raise CorruptPayload(f"{what} is {payload.size} bytes, shorter than its header")
         magic, width, mode, gap_width, reserved, count, changed = _HEADER.unpack_from(raw, 0)

@@ -12,12 +12,17 @@ import numpy as np
 import zstandard
 
 from store.errors import CorruptPayload
+from store.tensors import as_buffer
 
 
 def decompress_exact(
-    decompressor: zstandard.ZstdDecompressor, frame: np.ndarray | bytes, size: int, what: str
+    decompressor: zstandard.ZstdDecompressor,
+    frame: np.ndarray | bytes | memoryview,
+    size: int,
+    what: str,
 ) -> bytes:
     """Decompress one frame that must hold exactly `size` bytes; `what` names it in errors."""
+    frame = as_buffer(frame)
     try:
         claimed = zstandard.frame_content_size(frame)
         if claimed not in (size, -1):

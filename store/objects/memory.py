@@ -30,10 +30,10 @@ class MemoryObjects(ObjectStore):
         return f"{self.root}/{key}".rstrip("/")
 
     def get(self, key: str) -> bytes:
-        return self.fs.cat_file(self._path(key))
+        return bytes(self.fs.cat_file(self._path(key)))
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
-        return self.fs.cat_file(self._path(key), start=start, end=start + length)
+        return bytes(self.fs.cat_file(self._path(key), start=start, end=start + length))
 
     def size(self, key: str) -> int | None:
         path = self._path(key)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from functools import partial
 from typing import Any, TypeVar
 
 from store.errors import InvalidName, PointerConflict, StorageUnavailable, StoreError
@@ -96,11 +97,13 @@ class S3Objects(ObjectStore):
 
     def get(self, key: str) -> bytes:
         try:
-            return self._call(
-                key,
-                lambda: self.client.get_object(Bucket=self.bucket, Key=self._key(key))[
-                    "Body"
-                ].read(),
+            return bytes(
+                self._call(
+                    key,
+                    lambda: self.client.get_object(Bucket=self.bucket, Key=self._key(key))[
+                        "Body"
+                    ].read(),
+                )
             )
         except self.client.exceptions.ClientError as exc:
             raise self._translate(exc, key) from exc
@@ -110,11 +113,13 @@ class S3Objects(ObjectStore):
             return b""
         byte_range = f"bytes={start}-{start + length - 1}"
         try:
-            return self._call(
-                key,
-                lambda: self.client.get_object(
-                    Bucket=self.bucket, Key=self._key(key), Range=byte_range
-                )["Body"].read(),
+            return bytes(
+                self._call(
+                    key,
+                    lambda: self.client.get_object(
+                        Bucket=self.bucket, Key=self._key(key), Range=byte_range
+                    )["Body"].read(),
+                )
             )
         except self.client.exceptions.ClientError as exc:
             if _code(exc) == "InvalidRange":
@@ -201,8 +206,8 @@ class S3Objects(ObjectStore):
                 batch = [{"Key": k} for k in keys[start : start + 1000]]
                 self._call(
                     prefix,
-                    lambda batch=batch: self.client.delete_objects(
-                        Bucket=self.bucket, Delete={"Objects": batch}
+                    partial(
+                        self.client.delete_objects, Bucket=self.bucket, Delete={"Objects": batch}
                     ),
                 )
         except self.client.exceptions.ClientError as exc:
