@@ -150,9 +150,8 @@ def main(argv: list[str]) -> int:
     del secrets_
     # Outermost wrapper of the test call: it sees the call's exception before any other
     # wrapper or report hook can hide it.
-    Recorder.pytest_runtest_call = pytest.hookimpl(hookwrapper=True, tryfirst=True)(
-        Recorder.observe_call
-    )
+    hook = pytest.hookimpl(hookwrapper=True, tryfirst=True)(Recorder.observe_call)
+    Recorder.pytest_runtest_call = hook  # type: ignore[attr-defined]
     return int(pytest.main(args, plugins=[Recorder(key, fd)]))
 
 

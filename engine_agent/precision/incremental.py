@@ -35,6 +35,7 @@ import copy
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -70,6 +71,12 @@ class ConversionReport:
     groups_converted_in_full: int = 0
 
 
+# (tensors, config.json dict, extra JSON files, report): `convert_tensors`' result plus how.
+Converted = tuple[
+    dict[str, torch.Tensor], dict[str, Any], dict[str, dict[str, Any]], ConversionReport
+]
+
+
 @dataclass
 class _Fp8Tensor:
     q: torch.Tensor  # float8_e4m3fn [N, K]
@@ -96,10 +103,10 @@ class _State:
     plan: QuantPlan
     layout: dict[str, tuple[torch.dtype, tuple[int, ...]]]
     input_scales: dict[str, float] | None
-    source_config: dict
+    source_config: dict[str, Any]
     out: dict[str, torch.Tensor]
-    config: dict
-    extra: dict[str, dict]
+    config: dict[str, Any]
+    extra: dict[str, dict[str, Any]]
     fp8: dict[str, _Fp8Tensor] = field(default_factory=dict)
     nvfp4: dict[str, _Nvfp4Group] = field(default_factory=dict)  # keyed by first member
 
@@ -119,10 +126,11 @@ def changed_positions(old: np.ndarray, new: np.ndarray) -> np.ndarray:
     tail = np.arange(whole // old.itemsize, old.size, dtype=np.int64)
     candidates = np.concatenate([candidates, tail]) if tail.size else candidates
     old_e, new_e = old.reshape(-1), new.reshape(-1)
-    return candidates[old_e[candidates] != new_e[candidates]].astype(np.int64, copy=False)
+    changed: np.ndarray = candidates[old_e[candidates] != new_e[candidates]]
+    return changed.astype(np.int64, copy=False)
 
 
-def _layout(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.dtype, tuple]]:
+def _layout(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     return {name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()}
 
 
@@ -145,10 +153,12 @@ class IncrementalConverter:
     def convert(
         self,
         tensors: Mapping[str, torch.Tensor],
-        config: dict,
+        config: dict[str, Any],
         changes: Mapping[str, np.ndarray] | None,
         input_scales: Mapping[str, float] | None = None,
-    ) -> tuple[dict[str, torch.Tensor], dict, dict[str, dict], ConversionReport]:
+    ) -> tuple[
+        dict[str, torch.Tensor], dict[str, Any], dict[str, dict[str, Any]], ConversionReport
+    ]:
         """`convert_tensors`' result for `tensors`, from the previous version plus `changes`.
 
         `changes` maps each tensor that differs from the previously converted version to
@@ -175,7 +185,7 @@ class IncrementalConverter:
         self,
         state: _State | None,
         tensors: Mapping[str, torch.Tensor],
-        config: dict,
+        config: dict[str, Any],
         changes: Mapping[str, np.ndarray] | None,
         scales: dict[str, float] | None,
     ) -> str | None:
@@ -198,11 +208,11 @@ class IncrementalConverter:
     def _fresh_state(
         self,
         tensors: Mapping[str, torch.Tensor],
-        config: dict,
+        config: dict[str, Any],
         scales: dict[str, float] | None,
         out: dict[str, torch.Tensor],
-        out_config: dict,
-        extra: dict[str, dict],
+        out_config: dict[str, Any],
+        extra: dict[str, dict[str, Any]],
     ) -> _State | None:
         if self.precision == "bf16":
             return None
@@ -370,9 +380,11 @@ class VersionConverter:
     def convert(
         self,
         tensors: Mapping[str, RawTensor],
-        config: dict,
+        config: dict[str, Any],
         input_scales: Mapping[str, float] | None = None,
-    ) -> tuple[dict[str, torch.Tensor], dict, dict[str, dict], ConversionReport]:
+    ) -> tuple[
+        dict[str, torch.Tensor], dict[str, Any], dict[str, dict[str, Any]], ConversionReport
+    ]:
         from store.torch_bridge import to_torch
 
         previous, self._previous = self._previous, {}
