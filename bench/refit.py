@@ -88,7 +88,8 @@ def _logprobs_match(url: str, boot: Path, tensors: Any) -> tuple[bool, float]:
     config.pop("architectures", None)
     model = Qwen3ForCausalLM(Qwen3Config(**config))
     model.load_state_dict(raw_to_state_dict(tensors), strict=False)
-    model = model.to(torch.bfloat16).eval()
+    # transformers wraps `to` in a decorator whose stub mypy misreads.
+    model = model.to(torch.bfloat16).eval()  # type: ignore[arg-type]
     with torch.no_grad():
         logits = model(torch.tensor([PROMPT])).logits[0].float()
     logprobs = torch.log_softmax(logits, dim=-1)
