@@ -45,3 +45,9 @@ from bench import overview as _overview_bench  # noqa: E402
 app.command(name="overview", help="Dashboard overview: cost per snapshot vs the snapshot build.")(
     _overview_bench.run
 )
+
+from bench import chaos as _chaos_bench  # noqa: E402
+
+app.command(name="chaos", help="Fault scenarios under a pinned load: requests lost, recovery.")(
+    _chaos_bench.run
+)

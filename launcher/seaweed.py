@@ -2,7 +2,7 @@
 
 `SeaweedS3.create(root)` picks free ports for the master, volume, filer and S3 gateway and
 writes an S3 identity (an access/secret key pair) under `root`; `start()` runs `weed` and
-waits (with a deadline) until a bucket can be created and written; `stop()` ends the server
+waits (with a deadline) until a bucket can be created, written and listed; `stop()` ends the server
 and a later `start()` serves the same data on the same ports again. `S3Server` is how a
 client reaches it. It never creates anything but its bucket and one probe object.
 """
@@ -160,8 +160,10 @@ class SeaweedS3:
             existing = [b["Name"] for b in client.list_buckets().get("Buckets", [])]
             if self.server.bucket not in existing:
                 client.create_bucket(Bucket=self.server.bucket)
-            client.put_object(Bucket=self.server.bucket, Key="probe", Body=b"ok")
-            client.delete_object(Bucket=self.server.bucket, Key="probe")
+            client.put_object(Bucket=self.server.bucket, Key="probe/probe", Body=b"ok")
+            # After a restart the filer answers writes before listings; wait for both.
+            client.list_objects_v2(Bucket=self.server.bucket, Prefix="probe/", Delimiter="/")
+            client.delete_object(Bucket=self.server.bucket, Key="probe/probe")
             return True
         except Exception:  # not up yet: connection refused, 503, no volumes yet
             return False

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from launcher.fault_proxy import ResettingProxy
 from store.store import Store
 from store.torch_bridge import to_torch
 from store.types import VersionRef
-from tests.fixtures.fault_proxy import ResettingProxy
 from tests.fixtures.seaweed import S3Server, seaweed_s3  # noqa: F401  (a fixture)
 from trainer_client.publisher import Publisher, UploadFailed
 
