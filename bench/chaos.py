@@ -381,17 +381,23 @@ class ChaosFleet:
 
     def publish(self) -> int:
         """Publish the next version (a small update of the last); return its number."""
-        import torch
-
         version = self.latest + 1
-        generator = torch.Generator().manual_seed(version)
-        for name in sorted(self._weights)[:2]:
-            tensor = self._weights[name]
-            step = torch.randn(tensor.shape, generator=generator) * 1e-2
-            self._weights[name] = (tensor.float() + step).to(tensor.dtype)
+        self._weights = self._stepped(version)
         self._publisher.publish(dict(self._weights), version)
         self.published.append(version)
         return version
+
+    def _stepped(self, seed: int) -> dict[str, Any]:
+        """The current weights after a small training-like step on two tensors."""
+        import torch
+
+        generator = torch.Generator().manual_seed(seed)
+        stepped = dict(self._weights)
+        for name in sorted(stepped)[:2]:
+            tensor = stepped[name]
+            step = torch.randn(tensor.shape, generator=generator) * 1e-2
+            stepped[name] = (tensor.float() + step).to(tensor.dtype)
+        return stepped
 
     def publish_damaged(self) -> int:
         """Publish a version whose shard payloads are damaged (its manifest matches the
@@ -401,9 +407,9 @@ class ChaosFleet:
         from store.torch_bridge import state_dict_to_raw
         from store.types import VersionRef
 
-        base = state_dict_to_raw(self._weights)
         bad = self.latest + 1
-        files = encode_version(base, base, version=bad, base_version=self.latest, codec="sparse")
+        target, base = state_dict_to_raw(self._stepped(bad)), state_dict_to_raw(self._weights)
+        files = encode_version(target, base, version=bad, base_version=self.latest, codec="sparse")
         files = {name: _damaged(data) if name.endswith(".safetensors") else data
                  for name, data in files.items()}  # fmt: skip
         self._store().publish(VersionRef(RUN, bad), files)
@@ -548,13 +554,21 @@ def s3_down_during_publish(chaos: Chaos) -> None:
     until the server is back."""
     fleet = chaos.fleet
     fleet.seaweed.stop()
-    restart = threading.Timer(30 * chaos.scale, fleet.seaweed.start)
-    restart.start()
-    try:
-        wait_until(_publishes(fleet), 60 + 30 * chaos.scale, "a publish to go through", 0.5)
-    finally:
-        restart.join()
+    # The publish retries in a thread; the server restarts from this one (a child started
+    # from a thread gets SIGTERM when that thread ends).
+    publisher = threading.Thread(
+        target=wait_until,
+        args=(_publishes(fleet), 120 + 30 * chaos.scale, "a publish to go through", 0.5),
+        daemon=True,
+    )
+    published = len(fleet.published)
+    publisher.start()
+    chaos.hold(30)
+    fleet.seaweed.start()
     chaos.lifted()
+    publisher.join()
+    if len(fleet.published) == published:
+        raise AssertionError("the publish never went through after S3 came back")
 
 
 def s3_down_during_catch_up(chaos: Chaos) -> None:
@@ -719,7 +733,11 @@ class ScenarioResult:
 
 
 def run_scenario(
-    scenario: Scenario, work: Path, scale: float = 1.0, request_deadline_s: float = 30.0
+    scenario: Scenario,
+    work: Path,
+    scale: float = 1.0,
+    request_deadline_s: float = 30.0,
+    converge_deadline_s: float = CONVERGE_DEADLINE_S,
 ) -> ScenarioResult:
     """Start the scenario's fleet, run the load around its fault, judge what happened."""
     began = time.monotonic()
@@ -738,7 +756,7 @@ def run_scenario(
                 problems.append(f"the fault could not be run through: {exc}")
             lifted = chaos.fault_lifted or time.monotonic()
             try:
-                fleet.wait_converged(fleet.latest)
+                fleet.wait_converged(fleet.latest, converge_deadline_s)
             except DeadlineExceeded as exc:
                 problems.append(f"no convergence: {exc}")
             # Keep the load on until a request sent after the fault has come back.

@@ -17,7 +17,8 @@ from launcher.postgres import find_pg_bin
 from launcher.seaweed import find_weed
 
 SCALE = 0.1
-REQUEST_DEADLINE_S = 30.0
+REQUEST_DEADLINE_S = 20.0
+CONVERGE_DEADLINE_S = 60.0
 
 
 def marks(scenario: Scenario) -> list[pytest.MarkDecorator]:
@@ -39,7 +40,7 @@ def marks(scenario: Scenario) -> list[pytest.MarkDecorator]:
 def test_the_fleet_survives_the_fault_without_losing_a_request(
     scenario: Scenario, tmp_path: Path
 ) -> None:
-    result = run_scenario(scenario, tmp_path, SCALE, REQUEST_DEADLINE_S)
+    result = run_scenario(scenario, tmp_path, SCALE, REQUEST_DEADLINE_S, CONVERGE_DEADLINE_S)
     assert result.completed > 0, "the load ran"
     assert result.requests_lost == 0, result.problems
     assert result.constraint_violations == 0, result.problems
