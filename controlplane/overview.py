@@ -31,8 +31,6 @@ from wire import Precision, SyncState
 GAP_STEPS_KEPT = 200
 #: The window the request rates are averaged over.
 RATE_WINDOW_S = 60.0
-#: Labels an engine may carry to say which engine software it runs.
-KIND_LABELS = ("engine_kind", "engine")
 
 
 def _counter_total(counter: Counter) -> dict[str, float]:
@@ -160,13 +158,6 @@ class GapLog:
         return [e.as_dict() for e in self.runs.get(run_id, ())]
 
 
-def engine_kind(labels: Any) -> str | None:
-    for key in KIND_LABELS:
-        if labels.get(key):
-            return str(labels[key])
-    return None
-
-
 def build_overview(
     snap: FleetSnapshot,
     convergence: Convergence,
@@ -193,7 +184,8 @@ def build_overview(
                 "url": e.url,
                 "precision": precision,
                 "accelerator": e.accelerator,
-                "kind": engine_kind(e.labels),
+                "kind": e.engine_kind,
+                "labels": dict(e.labels),
                 "capacity": e.capacity,
                 "applied_version": e.applied_version,
                 "target_version": snap.target_for(e.engine_id, e.run_id),

@@ -256,6 +256,7 @@ class Registry:
                     Engine.accelerator,
                     Engine.labels,
                     Engine.last_error,
+                    Engine.engine_kind,
                 ).where(Engine.lease_expires_at > now)
             ).all()
         return [
@@ -275,6 +276,7 @@ class Registry:
                 accelerator=r[12],
                 labels=r[13] or {},
                 last_error=r[14],
+                engine_kind=r[15],
             )
             for r in rows
         ]

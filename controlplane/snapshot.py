@@ -39,6 +39,7 @@ class EngineView:
     accelerator: str = "cpu"
     labels: Mapping[str, str] = field(default_factory=dict, hash=False, compare=False)
     last_error: str | None = None
+    engine_kind: str = "sglang"
 
     @property
     def serving(self) -> bool:

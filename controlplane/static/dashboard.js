@@ -222,6 +222,8 @@ function compare(key) {
   };
 }
 
+const labelList = (e) => Object.entries(e.labels || {}).map(([k, x]) => `${k}=${x}`);
+
 function drawEngines(all) {
   const text = $("filter").value.trim().toLowerCase();
   const precision = $("f-precision").value;
@@ -230,8 +232,8 @@ function drawEngines(all) {
   const rows = all.filter((e) =>
     (!precision || e.precision === precision) && (!state || e.sync_state === state) &&
     (!behind || (e.target_version !== null && e.applied_version !== e.target_version)) &&
-    (!text || [e.engine_id, e.url, e.kind, e.accelerator, e.last_error, e.precision, e.sync_state]
-      .some((f) => f && String(f).toLowerCase().includes(text))));
+    (!text || [e.engine_id, e.url, e.kind, e.accelerator, e.last_error, e.precision, e.sync_state,
+      ...labelList(e)].some((f) => f && String(f).toLowerCase().includes(text))));
   rows.sort(compare(view.sort.key));
   $("shown").textContent = `(${rows.length} of ${all.length})`;
   for (const th of $("engines").tHead.rows[0].cells) {
@@ -243,8 +245,8 @@ function drawEngines(all) {
       `${Math.round(100 * e.staging_progress)}%`;
     const late = e.target_version !== null && e.applied_version !== e.target_version
       ? " behind" : "";
-    return `<tr data-engine-id="${esc(e.engine_id)}" class="${late}" title="${esc(e.url)}` +
-      `${e.last_error ? "\n" + esc(e.last_error) : ""}">` +
+    const tip = [e.url, ...labelList(e), e.last_error].filter(Boolean).join("\n");
+    return `<tr data-engine-id="${esc(e.engine_id)}" class="${late}" title="${esc(tip)}">` +
       `<td class="id">${esc(e.engine_id.slice(0, 12))}</td><td>${esc(e.precision)}</td>` +
       `<td>${esc(e.accelerator)}</td><td>${esc(e.kind || "—")}</td>` +
       `<td class="num served">${v(e.applied_version)}</td><td class="num target">${v(e.target_version)}</td>` +

@@ -58,7 +58,9 @@ def test_overview_lists_every_engine_with_served_and_target_versions(api: Api) -
     api.create_run(RUN)
     api.publish(RUN, 0)
     api.publish(RUN, 1)
-    old = api.register(RUN, 0, precision="bf16", accelerator="h100", labels={"engine": "sglang"})
+    old = api.register(
+        RUN, 0, precision="bf16", accelerator="h100", engine_kind="vllm", labels={"zone": "a"}
+    )
     new = api.register(RUN, 1, precision="fp8", accelerator="b200")
     api.heartbeat(old, 0, sync_state="syncing", staging_target=1, staging_progress=0.4,
                   in_flight=3)  # fmt: skip
@@ -71,9 +73,10 @@ def test_overview_lists_every_engine_with_served_and_target_versions(api: Api) -
     assert rows[old]["sync_state"] == "syncing"
     assert rows[old]["staging_target"] == 1 and rows[old]["staging_progress"] == 0.4
     assert rows[old]["in_flight"] == 3
-    assert rows[old]["accelerator"] == "h100" and rows[old]["kind"] == "sglang"
+    assert rows[old]["accelerator"] == "h100" and rows[old]["kind"] == "vllm"
+    assert rows[old]["labels"] == {"zone": "a"}
     assert rows[old]["lag"] == 1
-    assert rows[new]["applied_version"] == 1 and rows[new]["kind"] is None
+    assert rows[new]["applied_version"] == 1 and rows[new]["kind"] == "sglang"  # the default
     assert 0 <= rows[new]["heartbeat_age_s"] < rows[new]["lease_left_s"] + 60
     summary = {p["precision"]: p for p in doc["precisions"]}
     assert summary["bf16"]["versions"] == {"0": 1}

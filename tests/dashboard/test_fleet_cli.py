@@ -55,7 +55,7 @@ def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Plane]:
         for precision, version in (("bf16", 1), ("nvfp4", 0)):
             body = {"url": f"http://127.0.0.1:9/{precision}", "run_id": RUN,
                     "precision": precision, "applied_version": version, "sync_state": "ready",
-                    "accelerator": "b200", "labels": {"engine": "sglang"}}  # fmt: skip
+                    "accelerator": "b200", "labels": {"zone": "a"}}  # fmt: skip
             reply = httpx.post(f"{cp.url}/v1/engines", json=body, headers=engine)
             assert reply.status_code == 201, reply.text
             ids[precision] = reply.json()["engine_id"]
