@@ -18,8 +18,7 @@ import torch
 
 BLOCK = 128
 E4M3_MAX = 448.0
-# Rows converted per step: one block row, so the fp32 working copy stays in cache.
-_ROWS_PER_STEP = BLOCK
+_ELEMENTS_PER_STEP = 1 << 20
 
 
 def scales_from_amax(amax: torch.Tensor) -> torch.Tensor:
@@ -36,25 +35,42 @@ def encode(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return values.to(torch.float8_e4m3fn)
 
 
-def _column_block_max(chunk: torch.Tensor, block: int) -> torch.Tensor:
-    """Per column-block max |x| of an fp32 row chunk (zero padding never raises a max)."""
-    cols = chunk.shape[1]
-    # max(amax, -amin) is max |x| without materialising |x|.
-    colmax = torch.maximum(chunk.amax(dim=0), chunk.amin(dim=0).neg_())
+def _tile_max(chunk: torch.Tensor, block: int) -> torch.Tensor:
+    """Per-tile max |x| `[h/b, ⌈K/b⌉]` of an fp32 chunk of whole block rows (the last block
+    row of a weight may be short: then `h < b` and it counts as one block row)."""
+    rows, cols = chunk.shape
+    tile_rows = max(1, rows // block)
+    view = chunk.view(tile_rows, -1, cols)
+    # max(amax, -amin) is max |x| without materialising |x|; zero padding never raises it.
+    colmax = torch.maximum(view.amax(dim=1), view.amin(dim=1).neg_())
     pad = -cols % block
     if pad:
         colmax = torch.nn.functional.pad(colmax, (0, pad))
-    return colmax.view(-1, block).amax(dim=1)
+    return colmax.view(tile_rows, -1, block).amax(dim=2)
+
+
+def _chunks(rows: int, cols: int, block: int) -> list[tuple[int, int]]:
+    """Row ranges of whole block rows, about `_ELEMENTS_PER_STEP` elements each, with a
+    short last block row on its own: few enough torch calls that their fixed cost (and,
+    with several threads, their synchronisation) stays small, while the fp32 scratch
+    stays near the cache."""
+    step = block * max(1, _ELEMENTS_PER_STEP // max(block * cols, 1))
+    whole = rows - rows % block
+    ranges = [(r, min(r + step, whole)) for r in range(0, whole, step)]
+    if whole < rows:
+        ranges.append((whole, rows))
+    return ranges
 
 
 def block_amax(weight: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
     """fp32 per-tile max |x| `[⌈N/b⌉, ⌈K/b⌉]` of a 2-D weight."""
-    rows, _ = weight.shape
+    rows, cols = weight.shape
     out = [
-        _column_block_max(weight[r : r + block].to(torch.float32), block)
-        for r in range(0, rows, block)
+        _tile_max(weight[r0:r1].to(torch.float32), block) for r0, r1 in _chunks(rows, cols, block)
     ]
-    return torch.stack(out)
+    if not out:
+        return torch.empty((0, -(-cols // block)), dtype=torch.float32)
+    return torch.cat(out)
 
 
 def quantize_fp8_block(
@@ -66,15 +82,16 @@ def quantize_fp8_block(
     rows, cols = weight.shape
     q = torch.empty((rows, cols), dtype=torch.float8_e4m3fn)
     scales = []
-    for r in range(0, rows, block):
-        chunk = weight[r : r + block].to(torch.float32, copy=True)
-        scale = scales_from_amax(_column_block_max(chunk, block))
+    for r0, r1 in _chunks(rows, cols, block):
+        chunk = weight[r0:r1].to(torch.float32, copy=True)
+        scale = scales_from_amax(_tile_max(chunk, block))
         scales.append(scale)
-        per_column = scale.repeat_interleave(block)[:cols]
-        q[r : r + block] = encode(chunk, per_column)
+        per_column = scale.repeat_interleave(block, dim=1)[:, None, :cols]
+        tiles = chunk.view(scale.shape[0], -1, cols)
+        q[r0:r1] = encode(tiles, per_column).view(r1 - r0, cols)
     if not scales:
         return q, torch.empty((0, -(-cols // block)), dtype=torch.float32)
-    return q, torch.stack(scales).contiguous()
+    return q, torch.cat(scales).contiguous()
 
 
 def dequantize_fp8_block(

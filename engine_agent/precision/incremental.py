@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -406,6 +407,21 @@ class VersionConverter:
                 changes[name] = positions
         if self.converter.precision != "bf16" and not self.incremental:
             self.converter.reset()
-        result = self.converter.convert(state, config, changes, input_scales)
+        with _one_torch_thread():
+            result = self.converter.convert(state, config, changes, input_scales)
         self._previous = {name: (raw, state[name]) for name, raw in tensors.items()}
         return result
+
+
+@contextmanager
+def _one_torch_thread() -> Iterator[None]:
+    """Run torch ops on one thread meanwhile. Conversion is many ops on cache-sized chunks;
+    intra-op threads split each into slivers and synchronise after every one, which on a
+    busy host (an agent beside a serving engine) made a full conversion 10-50x slower in
+    wall time than one thread. torch's setting is per process, hence the restore."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
