@@ -1,27 +1,33 @@
-"""Codec benchmark: how small and how fast each delta codec is on realistic RL updates.
+"""Codec benchmark: size and speed of every delta codec at the densities RL updates have.
 
-Builds a synthetic Qwen3-shaped BF16 checkpoint (scaled to `--params`), keeps FP32 master
-weights, applies real AdamW steps with random gradients at each learning rate, casts each
-step to BF16 and encodes it against the previous step. Per step it prints the fraction of
-BF16 values that changed; bytes as a percentage of the full checkpoint for `xor` (Stitch),
-`sparse` (ours), XOR + zlib level 6, and the empirical entropy of the change; sparse encode
-and decode+apply throughput on one core (GB of BF16 checkpoint per second of the codec
-thread's CPU time, torch at one thread; wall-clock figures too); peak RSS. Ends with one
-JSON line.
+Three kinds of case, each encoded against its predecessor:
 
-Run: `tether bench codec` or `python -m bench.codec --params 5e8 --steps 3`.
+- a density sweep (`--densities`): a Qwen3-shaped BF16 checkpoint (`--params`) where exactly
+  that fraction of each tensor's values moves, by one ulp (95 %) or two (5 %), up or down;
+- real gradients (`bench.real_updates`): a small transformer trained with AdamW on the
+  standard library's source, warmed up, then stepped at RL learning rates (`--rl-lrs`);
+- quantized views of those real steps: consecutive FP8-block and NVFP4 conversions (the
+  agent's converters), so U8/F8 codes and scales.
+
+Per case: changed fraction; bytes of `xor` (Stitch), `sparse` (sparse-v2, ours) and the old
+sparse-v1, and the entropy of the change (docs/format.md §7), as % of the target checkpoint;
+ratios; encode and decode+apply (a verified `fold`) GB/s per core (checkpoint bytes per
+second of the codec thread's CPU time, codec threads = 1) and on all cores (wall clock,
+codec threads = `--threads`). Then the 1→2 thread speedup, the catch-up stages (fetch from a
+folder store, fold+verify, convert FP8, convert NVFP4, write the staged folder) in GB/s per
+core, and one JSON line. Run: `tether bench codec` or `python -m bench.codec`.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import resource
+import os
+import tempfile
 import time
-import tracemalloc
-import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import typer
@@ -29,6 +35,8 @@ import typer
 QWEN3_VOCAB = 151_936
 QWEN3_LAYERS = 28
 HEAD_DIM = 128
+DENSITIES = "0.0005,0.001,0.0025,0.005,0.01,0.02,0.05,0.1,0.25"
+TARGET_RANGE = (0.001, 0.10)  # densities the targets apply to (plus every real case)
 
 
 def qwen3_shapes(params: float) -> dict[str, tuple[int, ...]]:
@@ -58,42 +66,6 @@ def qwen3_shapes(params: float) -> dict[str, tuple[int, ...]]:
         shapes[p + "mlp.down_proj.weight"] = (h, 3 * h)
     shapes["model.norm.weight"] = (h,)
     return shapes
-
-
-class AdamW:
-    """AdamW on FP32 master weights (decoupled weight decay, bias correction), one tensor at a
-    time so only one gradient exists at once."""
-
-    def __init__(self, params, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, wd: float = 0.01):
-        import torch
-
-        self.params, self.lr, self.betas, self.eps, self.wd = params, lr, betas, eps, wd
-        self.m = {k: torch.zeros_like(p) for k, p in params.items()}
-        self.v = {k: torch.zeros_like(p) for k, p in params.items()}
-        self.t = 0
-
-    def step(self, generator) -> None:
-        import torch
-
-        self.t += 1
-        b1, b2 = self.betas
-        c1, c2 = 1 - b1**self.t, 1 - b2**self.t
-        for name, p in self.params.items():
-            grad = torch.randn(p.shape, generator=generator) * 1e-3
-            m, v = self.m[name], self.v[name]
-            m.mul_(b1).add_(grad, alpha=1 - b1)
-            v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
-            p.mul_(1 - self.lr * self.wd)
-            denom = (v / c2).sqrt_().add_(self.eps)
-            p.addcdiv_(m, denom, value=-self.lr / c1)
-
-
-def to_bf16_raw(params) -> dict:
-    import torch
-
-    from store.torch_bridge import to_raw
-
-    return {name: to_raw(p.to(torch.bfloat16)) for name, p in params.items()}
 
 
 def _entropy_bits(symbols: np.ndarray) -> float:
@@ -137,186 +109,374 @@ def _unique_entropy(symbols: np.ndarray) -> float:
     return float(-(counts * np.log2(counts / symbols.size)).sum())
 
 
-def xor_zlib_bytes(new: Mapping, old: Mapping) -> int:
-    """XOR of each tensor's bytes, zlib level 6: the figure published for Qwen3-0.6B."""
-    return sum(
-        len(zlib.compress(np.bitwise_xor(t.data, old[name].data), 6)) for name, t in new.items()
-    )
+def density_update(base: Mapping, fraction: float, seed: int) -> dict:
+    """`base` with `fraction` of each tensor's BF16 values moved by one ulp (95 %) or two."""
+    from store.codecs.sparse import float_order, float_unorder
+    from store.tensors import RawTensor
+
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, tensor in base.items():
+        bits = tensor.bits().copy()
+        where = np.flatnonzero(rng.random(bits.size, dtype=np.float32) < fraction)
+        step = np.where(rng.random(where.size) < 0.95, 1, 2).astype(np.uint16)
+        keys = float_order(bits[where])
+        bits[where] = float_unorder(
+            np.where(rng.random(where.size) < 0.5, keys + step, keys - step)
+        )
+        out[name] = RawTensor(tensor.dtype, tensor.shape, bits.view(np.uint8))
+    return out
 
 
 def _size(files: Mapping[str, bytes]) -> int:
     return sum(len(b) for b in files.values())
 
 
+def payload_bytes(files: Mapping[str, bytes]) -> int:
+    """Bytes of the codec's payloads in a delta version: the files less the index and each
+    shard's safetensors header (names, offsets, checksums: the same for every codec, and
+    what dominates a tiny model's delta)."""
+    total = 0
+    for name, body in files.items():
+        if name.endswith(".safetensors"):
+            total += len(body) - 8 - int.from_bytes(body[:8], "little")
+    return total
+
+
 @dataclass
-class StepResult:
-    lr: float
-    step: int
+class Case:
+    name: str
+    kind: str  # "density", "real-bf16", "real-fp8", "real-nvfp4"
+    checkpoint_bytes: int
     changed_fraction: float
     xor_pct: float
     sparse_pct: float
-    zlib_pct: float
+    sparse_v1_pct: float
     entropy_pct: float
+    sparse_files_pct: float
     sparse_over_xor: float
     sparse_over_entropy: float
+    v1_over_entropy: float
     encode_gb_s: float
     decode_gb_s: float
     xor_encode_gb_s: float
     xor_decode_gb_s: float
-    encode_gb_s_wall: float
-    decode_gb_s_wall: float
+    encode_gb_s_all: float
+    decode_gb_s_all: float
+
+    @property
+    def targeted(self) -> bool:
+        low, high = TARGET_RANGE
+        return self.kind != "density" or low <= self.changed_fraction * 1.02 <= high * 1.04
 
 
-def _timed(fn):
-    """Run `fn`; return its result and the seconds it took, as (wall, this thread's CPU).
+def _cpu(fn: Callable[[], object]) -> tuple[object, float]:
+    """Run `fn` on this thread; return its result and this thread's CPU seconds.
 
-    The codecs run on one thread, so CPU seconds are the time on a core of its own; wall
-    seconds also count time lost to other processes sharing the machine.
+    With codec threads = 1 every byte is coded on this thread, so CPU seconds are the time on
+    a core of its own, whatever else the (shared) machine runs.
     """
-    wall, cpu = time.perf_counter(), time.thread_time()
+    started = time.thread_time()
     result = fn()
-    return result, (time.perf_counter() - wall, time.thread_time() - cpu)
+    return result, time.thread_time() - started
 
 
-def _extra_memory(fn, keep_bytes: int) -> int:
-    """Peak bytes traced while `fn` runs, minus what it returns on purpose (`keep_bytes`)."""
-    tracemalloc.start()
+def _wall(fn: Callable[[], object], repeats: int) -> float:
+    """Best wall-clock seconds of `repeats` runs (the least disturbed by other processes)."""
+    best = math.inf
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def measure_case(
+    name: str, kind: str, target: Mapping, base: Mapping, *, threads: int, repeats: int
+) -> Case:
+    """Encode `target` against `base` with every codec and time sparse and xor."""
+    from store.codecs import encode_version, fold, workers
+    from store.codecs.delta import encode_delta
+    from store.codecs.sparse import SparseCodec
+    from store.tensors import total_bytes
+
+    full = total_bytes(target)
+
+    def encode(codec: str) -> Callable[[], dict]:
+        return lambda: encode_version(target, base, version=1, base_version=0, codec=codec)
+
+    workers.set_threads(1)
+    sparse, t_enc = _cpu(encode("sparse"))
+    xor, t_xor_enc = _cpu(encode("xor"))
+    _, t_dec = _cpu(lambda: fold(base, [sparse]))
+    _, t_xor_dec = _cpu(lambda: fold(base, [xor]))
+    v1 = encode_delta(SparseCodec(), target, base, version=1, base_version=0, shard_bytes=2**30)
+    workers.set_threads(threads)
+    wall_enc = _wall(encode("sparse"), repeats)
+    wall_dec = _wall(lambda: fold(base, [sparse]), repeats)
+    entropy, changed = change_entropy_bytes(target, base)
+    elements = sum(t.numel for t in target.values())
+    sizes = {"xor": payload_bytes(xor), "sparse": payload_bytes(sparse), "v1": payload_bytes(v1)}
+    return Case(
+        name=name,
+        kind=kind,
+        checkpoint_bytes=full,
+        changed_fraction=changed / elements,
+        xor_pct=100 * sizes["xor"] / full,
+        sparse_pct=100 * sizes["sparse"] / full,
+        sparse_v1_pct=100 * sizes["v1"] / full,
+        entropy_pct=100 * entropy / full,
+        sparse_files_pct=100 * _size(sparse) / full,
+        sparse_over_xor=sizes["sparse"] / sizes["xor"],
+        sparse_over_entropy=sizes["sparse"] / max(entropy, 1.0),
+        v1_over_entropy=sizes["v1"] / max(entropy, 1.0),
+        encode_gb_s=full / max(t_enc, 1e-9) / 1e9,
+        decode_gb_s=full / max(t_dec, 1e-9) / 1e9,
+        xor_encode_gb_s=full / max(t_xor_enc, 1e-9) / 1e9,
+        xor_decode_gb_s=full / max(t_xor_dec, 1e-9) / 1e9,
+        encode_gb_s_all=full / wall_enc / 1e9,
+        decode_gb_s_all=full / wall_dec / 1e9,
+    )
+
+
+HEADER = (
+    f"{'case':<22} {'changed':>8} {'xor%':>7} {'sparse%':>8} {'v1%':>7} {'entropy%':>8} "
+    f"{'sp/xor':>6} {'sp/ent':>6} {'v1/ent':>6} {'enc/core':>8} {'dec/core':>8} "
+    f"{'xor enc':>7} {'xor dec':>7} {'enc all':>7} {'dec all':>7}"
+)
+
+
+def _row(c: Case) -> str:
+    return (
+        f"{c.name:<22} {c.changed_fraction:>8.5f} {c.xor_pct:>7.3f} {c.sparse_pct:>8.3f} "
+        f"{c.sparse_v1_pct:>7.3f} {c.entropy_pct:>8.4f} {c.sparse_over_xor:>6.3f} "
+        f"{c.sparse_over_entropy:>6.3f} {c.v1_over_entropy:>6.3f} {c.encode_gb_s:>8.2f} "
+        f"{c.decode_gb_s:>8.2f} {c.xor_encode_gb_s:>7.2f} {c.xor_decode_gb_s:>7.2f} "
+        f"{c.encode_gb_s_all:>7.2f} {c.decode_gb_s_all:>7.2f}"
+    )
+
+
+def two_core_speedup(target: Mapping, base: Mapping, repeats: int) -> dict[str, float]:
+    """Wall-clock speedup of 2 codec threads over 1, best of `repeats` runs each, alternated,
+    plus the CPU concurrency reached with 2 threads (process CPU s / wall s): on a machine
+    that other processes keep busy the wall ratio understates what two free cores give."""
+    from store.codecs import encode_version, fold, workers
+
+    files = encode_version(target, base, version=1, base_version=0, codec="sparse")
+    jobs = {
+        "encode": lambda: encode_version(target, base, version=1, base_version=0, codec="sparse"),
+        "decode": lambda: fold(base, [files]),
+    }
+    out: dict[str, float] = {}
+    for label, job in jobs.items():
+        best = {1: math.inf, 2: math.inf}
+        concurrency = 0.0
+        for _ in range(repeats):
+            for count in (1, 2):
+                workers.set_threads(count)
+                cpu, wall = time.process_time(), time.perf_counter()
+                job()
+                wall = time.perf_counter() - wall
+                best[count] = min(best[count], wall)
+                if count == 2:
+                    concurrency = max(concurrency, (time.process_time() - cpu) / wall)
+        out[f"two_core_speedup_{label}"] = best[1] / best[2]
+        out[f"two_thread_cpu_concurrency_{label}"] = concurrency
+    return out
+
+
+def catchup_stages(target: Mapping, base: Mapping, root: Path) -> dict[str, float]:
+    """GB/s per core (thread CPU time, one codec and one torch thread) of each catch-up
+    stage on one version of `target`: fetch its files from a folder store, fold + verify,
+    convert to FP8, convert to NVFP4, write the staged BF16 folder."""
+    import torch
+
+    from engine_agent.precision.checkpoint import write_safetensors_folder
+    from engine_agent.precision.convert import convert_tensors
+    from engine_agent.precision.plan import plan_quantization
+    from store.codecs import encode_version, fold, workers
+    from store.store import Store
+    from store.tensors import total_bytes
+    from store.torch_bridge import raw_to_state_dict
+    from store.types import VersionRef
+
+    full = total_bytes(target)
+    workers.set_threads(1)
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
-        tracemalloc.reset_peak()
-        before, _ = tracemalloc.get_traced_memory()
-        result = fn()
-        _, peak = tracemalloc.get_traced_memory()
+        store = Store(str(root / "store"))
+        store.create_run("bench")
+        store.publish(
+            VersionRef("bench", 1),
+            encode_version(target, base, version=1, base_version=0, codec="sparse"),
+        )
+        files, t_fetch = _cpu(lambda: _fetched(store.open_version(VersionRef("bench", 1))))
+        tensors, t_fold = _cpu(lambda: fold(base, [files]))
+        state = raw_to_state_dict(tensors)
+        _, t_fp8 = _cpu(lambda: convert_tensors(state, {}, "fp8"))
+        scales = {m: 1.0 for m in plan_quantization(state, "nvfp4").quantized}
+        _, t_nvfp4 = _cpu(lambda: convert_tensors(state, {}, "nvfp4", scales))
+        _, t_write = _cpu(lambda: write_safetensors_folder(root / "staged", state))
     finally:
-        tracemalloc.stop()
-    del result
-    return max(0, peak - before - keep_bytes)
+        torch.set_num_threads(torch_threads)
+    return {
+        f"{stage}_gb_s": round(full / max(seconds, 1e-9) / 1e9, 3)
+        for stage, seconds in (
+            ("fetch", t_fetch),
+            ("fold_verify", t_fold),
+            ("convert_fp8", t_fp8),
+            ("convert_nvfp4", t_nvfp4),
+            ("write_staged", t_write),
+        )
+    }
+
+
+def _fetched(files) -> object:
+    files.fetch_all()
+    return files
+
+
+def real_cases(
+    *, warmup_steps: int, lrs: list[float], steps: int, quantized: bool, seed: int
+) -> list[tuple[str, str, dict, dict]]:
+    """(name, kind, target, base) for consecutive real-gradient checkpoints and, with
+    `quantized`, their FP8 and NVFP4 conversions."""
+    from bench.real_updates import TinyLM, config, init_distance, rl_checkpoints
+    from engine_agent.precision.convert import convert_tensors
+    from engine_agent.precision.plan import plan_quantization
+    from store.torch_bridge import state_dict_to_raw
+
+    spec = TinyLM()
+    pairs: list[tuple[str, str, dict, dict]] = []
+    previous: dict | None = None
+    scales: dict[str, float] | None = None
+    for lr, step, state, loss in rl_checkpoints(
+        spec, warmup_steps=warmup_steps, warmup_lr=3e-3, lrs=lrs, steps=steps, seed=seed
+    ):
+        views = {"real-bf16": state}
+        if quantized:
+            if scales is None:
+                scales = {m: 1.0 for m in plan_quantization(state, "nvfp4").quantized}
+            views["real-fp8"] = convert_tensors(state, config(spec), "fp8")[0]
+            views["real-nvfp4"] = convert_tensors(state, config(spec), "nvfp4", scales)[0]
+        current = {kind: state_dict_to_raw(view) for kind, view in views.items()}
+        if step == 0:
+            params = sum(t.numel() for t in state.values())
+            print(
+                f"real gradients: {params / 1e6:.2f} M params, warmed up {warmup_steps} AdamW "
+                f"steps (loss {loss:.3f}, weight RMS {init_distance(state):.2f}x the init's); "
+                f"lr {lr:.0e}"
+            )
+        elif previous is not None:
+            for kind, tensors in current.items():
+                label = kind.removeprefix("real-")
+                pairs.append((f"{label} lr{lr:.0e} s{step}", kind, tensors, previous[kind]))
+        previous = current
+    return pairs
 
 
 def run(
-    params: float = typer.Option(5e8, help="Approximate parameter count of the checkpoint."),
-    steps: int = typer.Option(3, help="AdamW steps per learning rate."),
-    lrs: str = typer.Option("1e-6,1e-5", help="Comma-separated learning rates."),
-    seed: int = typer.Option(0, help="Seed for weights and gradients."),
-    zlib_reference: bool = typer.Option(True, help="Also measure XOR + zlib-6 (slow)."),
+    params: float = typer.Option(1e8, help="Parameters of the density-sweep checkpoint."),
+    densities: str = typer.Option(DENSITIES, help="Comma-separated changed fractions."),
+    real: bool = typer.Option(True, help="Add real-gradient checkpoints (trains a small model)."),
+    warmup_steps: int = typer.Option(30, help="AdamW warm-up steps before the RL steps."),
+    rl_lrs: str = typer.Option("1e-6,3e-6", help="Comma-separated RL learning rates."),
+    rl_steps: int = typer.Option(2, help="RL steps per learning rate."),
+    quantized: bool = typer.Option(True, help="Add FP8 and NVFP4 views of the real steps."),
+    stages: bool = typer.Option(True, help="Measure the catch-up stages (needs torch)."),
+    threads: int = typer.Option(os.cpu_count() or 1, help="Codec threads for 'all cores'."),
+    repeats: int = typer.Option(2, help="Wall-clock runs per all-core figure (best kept)."),
+    seed: int = typer.Option(0, help="Seed for weights and updates."),
 ) -> dict:
-    """Encode AdamW steps of a synthetic Qwen3-like BF16 checkpoint with every delta codec."""
-    import torch
+    """Encode every case with every delta codec; print the table and one JSON line."""
+    from store.codecs import workers
+    from store.synthetic import random_checkpoint
 
-    from store.codecs import encode_version, fold
-    from store.tensors import total_bytes
-
+    load_before = os.getloadavg()
     shapes = qwen3_shapes(params)
     n_params = sum(math.prod(s) for s in shapes.values())
-    largest = max(math.prod(s) for s in shapes.values()) * 2
+    base = random_checkpoint(seed, shapes)
     print(
-        f"checkpoint: {n_params / 1e9:.3f} B params, {len(shapes)} tensors, "
-        f"BF16 {n_params * 2 / 2**30:.2f} GiB, largest tensor {largest / 2**20:.0f} MiB"
+        f"density sweep: {n_params / 1e9:.3f} B params, {len(shapes)} tensors, "
+        f"BF16 {n_params * 2 / 2**30:.2f} GiB; codec threads for 'all' = {threads}; "
+        f"load average {load_before[0]:.1f}"
     )
-    header = (
-        f"{'lr':>7} {'step':>4} {'changed':>8} {'xor%':>7} {'sparse%':>8} {'zlib6%':>7} "
-        f"{'entropy%':>8} {'sp/xor':>7} {'sp/ent':>7} {'enc GB/s':>8} {'dec GB/s':>8} "
-        f"{'xor enc':>7} {'xor dec':>7} {'wall enc':>8} {'wall dec':>8}"
-    )
-    results: list[StepResult] = []
-    memory: dict[str, float] = {}
-    threads = torch.get_num_threads()
-    for lr in [float(x) for x in lrs.split(",") if x.strip()]:
-        generator = torch.Generator().manual_seed(seed)
-        master = {n: torch.randn(s, generator=generator) * 0.02 for n, s in shapes.items()}
-        optimizer = AdamW(master, lr)
-        previous = to_bf16_raw(master)
-        full = total_bytes(previous)
-        print(header)
-        for step in range(1, steps + 1):
-            torch.set_num_threads(threads)
-            optimizer.step(generator)
-            current = to_bf16_raw(master)
-            torch.set_num_threads(1)  # the codecs are measured on one core
-            sparse, t_enc = _timed(
-                lambda c=current, p=previous, s=step: encode_version(
-                    c, p, version=s, base_version=s - 1, codec="sparse"
-                )
-            )
-            xor, t_xor_enc = _timed(
-                lambda c=current, p=previous, s=step: encode_version(
-                    c, p, version=s, base_version=s - 1, codec="xor"
-                )
-            )
-            _, t_dec = _timed(lambda p=previous, f=sparse: fold(p, [f]))
-            _, t_xor_dec = _timed(lambda p=previous, f=xor: fold(p, [f]))
-            entropy, changed = change_entropy_bytes(current, previous)
-            zlib_bytes = xor_zlib_bytes(current, previous) if zlib_reference else 0
-            r = StepResult(
-                lr=lr,
-                step=step,
-                changed_fraction=changed / n_params,
-                xor_pct=100 * _size(xor) / full,
-                sparse_pct=100 * _size(sparse) / full,
-                zlib_pct=100 * zlib_bytes / full,
-                entropy_pct=100 * entropy / full,
-                sparse_over_xor=_size(sparse) / _size(xor),
-                sparse_over_entropy=_size(sparse) / max(entropy, 1.0),
-                encode_gb_s=full / t_enc[1] / 1e9,
-                decode_gb_s=full / t_dec[1] / 1e9,
-                xor_encode_gb_s=full / t_xor_enc[1] / 1e9,
-                xor_decode_gb_s=full / t_xor_dec[1] / 1e9,
-                encode_gb_s_wall=full / t_enc[0] / 1e9,
-                decode_gb_s_wall=full / t_dec[0] / 1e9,
-            )
-            results.append(r)
-            print(
-                f"{lr:>7.0e} {step:>4} {r.changed_fraction:>8.4f} {r.xor_pct:>7.3f} "
-                f"{r.sparse_pct:>8.3f} {r.zlib_pct:>7.3f} {r.entropy_pct:>8.3f} "
-                f"{r.sparse_over_xor:>7.3f} {r.sparse_over_entropy:>7.3f} {r.encode_gb_s:>8.2f} "
-                f"{r.decode_gb_s:>8.2f} {r.xor_encode_gb_s:>7.2f} {r.xor_decode_gb_s:>7.2f} "
-                f"{r.encode_gb_s_wall:>8.2f} {r.decode_gb_s_wall:>8.2f}",
-                flush=True,
-            )
-            if step == steps and not memory:
-                memory["encode_extra_over_largest"] = (
-                    _extra_memory(
-                        lambda c=current, p=previous: encode_version(
-                            c, p, version=1, base_version=0, codec="sparse"
-                        ),
-                        _size(sparse),
-                    )
-                    / largest
-                )
-                memory["decode_extra_over_largest"] = (
-                    _extra_memory(lambda p=previous, f=sparse: fold(p, [f]), full) / largest
-                )
-            previous = current
-        torch.set_num_threads(threads)
-        del master, optimizer
-    first_lr = [r for r in results if r.lr == results[0].lr]
-    last = first_lr[-1]
-    peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(
-        f"lr {last.lr:.0e}, step {last.step}: sparse is {last.sparse_over_xor:.3f}x xor "
-        f"(target <= 0.55) and {last.sparse_over_entropy:.3f}x the entropy (target <= 1.3); "
-        f"encode {last.encode_gb_s:.2f} GB/s (>= 0.5), decode+apply {last.decode_gb_s:.2f} GB/s "
-        f"(>= 1); memory beyond the checkpoints: encode "
-        f"{memory.get('encode_extra_over_largest', 0):.2f}x, decode "
-        f"{memory.get('decode_extra_over_largest', 0):.2f}x the largest tensor (<= 2); "
-        f"peak RSS {peak_rss_mb:.0f} MiB"
-    )
+    print(HEADER, flush=True)
+    cases: list[Case] = []
+    speed_pair = None
+    for i, fraction in enumerate(float(x) for x in densities.split(",") if x.strip()):
+        target = density_update(base, fraction, seed + 1 + i)
+        case = measure_case(
+            f"density {100 * fraction:g}%", "density", target, base,
+            threads=threads, repeats=repeats,
+        )  # fmt: skip
+        cases.append(case)
+        print(_row(case), flush=True)
+        if speed_pair is None or abs(fraction - 0.01) < abs(speed_pair[0] - 0.01):
+            speed_pair = (fraction, target)
+    if real:
+        for name, kind, target, previous in real_cases(
+            warmup_steps=warmup_steps,
+            lrs=[float(x) for x in rl_lrs.split(",") if x.strip()],
+            steps=rl_steps,
+            quantized=quantized,
+            seed=seed,
+        ):
+            case = measure_case(name, kind, target, previous, threads=threads, repeats=repeats)
+            cases.append(case)
+            print(_row(case), flush=True)
+    speedup: dict[str, float] = {}
+    stage_rates: dict[str, float] = {}
+    if speed_pair is not None:
+        speedup = two_core_speedup(speed_pair[1], base, max(2, repeats))
+        if stages:
+            with tempfile.TemporaryDirectory(prefix="tether-bench-codec-") as scratch:
+                stage_rates = catchup_stages(speed_pair[1], base, Path(scratch))
+    workers.set_threads(os.cpu_count() or 1)
+    load_after = os.getloadavg()
+    targeted = [c for c in cases if c.targeted]
     summary = {
         "params": n_params,
-        "sparse_over_xor": round(last.sparse_over_xor, 4),
-        "sparse_over_entropy": round(last.sparse_over_entropy, 4),
-        "encode_gb_s": round(last.encode_gb_s, 3),
-        "decode_gb_s": round(last.decode_gb_s, 3),
-        "encode_gb_s_wall": round(last.encode_gb_s_wall, 3),
-        "decode_gb_s_wall": round(last.decode_gb_s_wall, 3),
-        "changed_fraction": round(last.changed_fraction, 5),
-        "xor_pct": round(last.xor_pct, 4),
-        "sparse_pct": round(last.sparse_pct, 4),
-        "zlib6_pct": round(last.zlib_pct, 4),
-        "entropy_pct": round(last.entropy_pct, 4),
-        **{k: round(v, 3) for k, v in memory.items()},
-        "peak_rss_mb": round(peak_rss_mb),
-        "steps": [vars(r) for r in results],
+        "worst_sparse_over_xor": round(max(c.sparse_over_xor for c in targeted), 4),
+        "worst_sparse_over_entropy": round(max(c.sparse_over_entropy for c in targeted), 4),
+        "min_encode_gb_s": round(min(c.encode_gb_s for c in targeted), 3),
+        "min_decode_gb_s": round(min(c.decode_gb_s for c in targeted), 3),
+        "two_core_speedup": round(
+            min(
+                speedup.get("two_core_speedup_encode", 0), speedup.get("two_core_speedup_decode", 0)
+            ),
+            3,
+        ),
+        **{k: round(v, 3) for k, v in speedup.items()},
+        "speedup_density": speed_pair[0] if speed_pair else None,
+        "convert_fp8_gb_s": stage_rates.get("convert_fp8_gb_s"),
+        "convert_nvfp4_gb_s": stage_rates.get("convert_nvfp4_gb_s"),
+        "stages_gb_s_per_core": stage_rates,
+        "threads": threads,
+        "load_average": [round(load_before[0], 2), round(load_after[0], 2)],
+        "cases": [
+            {
+                "name": c.name,
+                "kind": c.kind,
+                **{
+                    k: (round(v, 5) if isinstance(v, float) else v)
+                    for k, v in vars(c).items()
+                    if k not in ("name", "kind")
+                },
+            }
+            for c in cases
+        ],
     }
+    print(
+        f"over densities {TARGET_RANGE[0]:.1%}..{TARGET_RANGE[1]:.0%} and the real cases: "
+        f"sparse <= {summary['worst_sparse_over_xor']}x xor (target <= 0.5), "
+        f"<= {summary['worst_sparse_over_entropy']}x the entropy (<= 1.1); per core encode "
+        f">= {summary['min_encode_gb_s']} GB/s (>= 1), decode+apply >= "
+        f"{summary['min_decode_gb_s']} GB/s (>= 2); 2 threads / 1: "
+        f"{summary['two_core_speedup']}x (>= 1.8); stages per core: {stage_rates}; "
+        f"load average {load_before[0]:.1f} -> {load_after[0]:.1f}"
+    )
     print(json.dumps(summary))
     return summary
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from store.codecs.delta import DeltaCodec
 from store.codecs.sparse import SparseCodec
+from store.codecs.sparse_v2 import SparseV2Codec
 from store.codecs.xor import XorCodec
 from store.errors import UnknownCodec
 from store.types import VersionKind
@@ -31,7 +32,10 @@ class Codec:
         return self.delta.delta_encoding if self.delta is not None else None
 
 
-_DELTAS: dict[str, DeltaCodec] = {"xor": XorCodec(), "sparse": SparseCodec()}
+_DELTAS: dict[str, DeltaCodec] = {"xor": XorCodec(), "sparse": SparseV2Codec()}
+# Every encoding Tether reads: what the codecs write now plus their older versions
+# (`sparse-v1` versions published before `sparse-v2` existed still decode).
+_READERS: tuple[DeltaCodec, ...] = (*_DELTAS.values(), SparseCodec())
 
 
 def get_codec(name: str) -> Codec:
@@ -44,11 +48,11 @@ def get_codec(name: str) -> Codec:
 
 
 def codec_for_encoding(delta_encoding: str) -> DeltaCodec:
-    """The delta codec that reads an index's `delta_encoding` ("xor", "sparse-v1")."""
-    for codec in _DELTAS.values():
+    """The delta codec that reads an index's `delta_encoding` ("xor", "sparse-v2", "sparse-v1")."""
+    for codec in _READERS:
         if codec.delta_encoding == delta_encoding:
             return codec
-    known = ", ".join(c.delta_encoding for c in _DELTAS.values())
+    known = ", ".join(c.delta_encoding for c in _READERS)
     raise UnknownCodec(
         f"this version uses delta_encoding {delta_encoding!r}, which Tether cannot read "
         f"(it reads: {known}); upgrade Tether or re-publish with a known codec"

@@ -1,0 +1,278 @@
+"""`sparse-v2`: exact round trips at every density, the documented layout, old payloads still
+readable, and corrupt payloads refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import zstandard
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from store.codecs import encode_version, fold, workers
+from store.codecs.delta import encode_delta
+from store.codecs.sparse import SparseCodec
+from store.codecs.sparse_v2 import SparseV2Codec
+from store.errors import ChecksumMismatch, CorruptPayload
+from store.fold import read_manifest
+from store.tensors import RawTensor
+from tests.store.tensor_cases import raw_tensors, successors
+
+SMALL_BLOCKS = SparseV2Codec(block_log2=8)  # 256-element blocks: every test spans several
+
+
+def bf16_tensor(bits: np.ndarray) -> RawTensor:
+    return RawTensor("BF16", (bits.size,), bits.astype(np.uint16).view(np.uint8))
+
+
+def moved(base: np.ndarray, fraction: float, seed: int) -> np.ndarray:
+    """`base` with `fraction` of its elements moved one or two steps, or replaced."""
+    rng = np.random.default_rng(seed)
+    new = base.copy()
+    where = rng.random(base.size) < fraction
+    new[where] += rng.choice(np.array([1, 2, 65535, 40000], dtype=np.uint16), int(where.sum()))
+    return new
+
+
+def round_trip(codec: SparseV2Codec, new: RawTensor, old: RawTensor) -> np.ndarray:
+    payload = codec.encode_tensor(new, old)
+    out = old.data.copy()
+    if payload is not None:
+        codec.apply_into(out, payload, new.itemsize, "t")
+    return out
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.0005, 0.001, 0.0025, 0.02, 0.1, 0.25, 0.9, 1.0])
+def test_every_density_round_trips_bit_for_bit(fraction):
+    base = np.random.default_rng(1).integers(0, 65536, 5000, dtype=np.uint16)
+    new = moved(base, fraction, 2)
+    if fraction == 1.0:
+        new = base + np.uint16(1)
+    for codec in (SMALL_BLOCKS, SparseV2Codec()):
+        out = round_trip(codec, bf16_tensor(new), bf16_tensor(base))
+        assert np.array_equal(out, new.view(np.uint8))
+
+
+def test_an_unchanged_tensor_has_no_payload():
+    base = bf16_tensor(np.arange(1000, dtype=np.uint16))
+    assert SparseV2Codec().encode_tensor(base, base) is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_any_dtype_and_shape_round_trips(data):
+    old = data.draw(raw_tensors())
+    new = data.draw(successors(old))
+    assert np.array_equal(round_trip(SMALL_BLOCKS, new, old), new.data)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.integers(0, 2**16 - 1), min_size=1, max_size=700),
+    st.lists(st.integers(0, 699), max_size=200),
+    st.sampled_from([0, 1, 65535, 0x8000, 0x7FFF]),
+)
+def test_clustered_and_extreme_changes_round_trip(values, positions, delta):
+    """Long runs, changes at both ends, sign flips, NaN and -0.0 patterns."""
+    old = np.array(values, dtype=np.uint16)
+    new = old.copy()
+    where = np.array([p for p in positions if p < old.size], dtype=np.int64)
+    new[where] = (new[where] + np.uint16(delta or 0x8000)).astype(np.uint16)
+    new[-1] = 0xFFC1 if old[-1] != 0xFFC1 else 0x8000  # a NaN payload or -0.0 at the end
+    assert np.array_equal(
+        round_trip(SMALL_BLOCKS, bf16_tensor(new), bf16_tensor(old)), new.view(np.uint8)
+    )
+
+
+def test_one_ulp_steps_cost_about_their_entropy():
+    """1 % of values moving one ulp: positions near n*H2(q), values about one bit each."""
+    rng = np.random.default_rng(3)
+    base = rng.integers(0, 65536, 1 << 20, dtype=np.uint16)
+    new = base.copy()
+    where = rng.random(base.size) < 0.01
+    new[where] += np.where(rng.random(int(where.sum())) < 0.5, 1, 65535).astype(np.uint16)
+    q = where.mean()
+    entropy_bits = base.size * -(q * np.log2(q) + (1 - q) * np.log2(1 - q)) + where.sum()
+    payload = SparseV2Codec().encode_tensor(bf16_tensor(new), bf16_tensor(base))
+    assert payload.size * 8 < 1.03 * entropy_bits
+
+
+def test_the_sparse_codec_writes_sparse_v2_and_threads_do_not_change_the_bytes():
+    base = {"w": bf16_tensor(np.random.default_rng(4).integers(0, 65536, 3 << 22, dtype=np.uint16))}
+    target = {"w": bf16_tensor(moved(base["w"].bits(), 0.01, 5))}
+    try:
+        workers.set_threads(1)
+        one = encode_version(target, base, version=1, base_version=0, codec="sparse")
+        workers.set_threads(2)
+        two = encode_version(target, base, version=1, base_version=0, codec="sparse")
+        assert one == two
+        assert read_manifest(one).delta_encoding == "sparse-v2"
+        assert np.array_equal(fold(base, [two])["w"].data, target["w"].data)
+    finally:
+        workers.set_threads(2)
+
+
+def test_versions_published_as_sparse_v1_still_fold():
+    base = {"w": bf16_tensor(np.random.default_rng(6).integers(0, 65536, 4000, dtype=np.uint16))}
+    middle = {"w": bf16_tensor(moved(base["w"].bits(), 0.02, 7))}
+    target = {"w": bf16_tensor(moved(middle["w"].bits(), 0.02, 8))}
+    old = encode_delta(SparseCodec(), middle, base, version=1, base_version=0, shard_bytes=2**30)
+    new = encode_version(target, middle, version=2, base_version=1, codec="sparse")
+    assert read_manifest(old).delta_encoding == "sparse-v1"
+    assert np.array_equal(fold(base, [old, new])["w"].data, target["w"].data)
+
+
+def payload_pair() -> tuple[np.ndarray, RawTensor, RawTensor]:
+    base = np.random.default_rng(9).integers(0, 65536, 700, dtype=np.uint16)
+    old, new = bf16_tensor(base), bf16_tensor(moved(base, 0.05, 10))
+    return SMALL_BLOCKS.encode_tensor(new, old), new, old
+
+
+def test_every_truncation_is_refused():
+    payload, new, old = payload_pair()
+    for cut in range(payload.size):
+        with pytest.raises(CorruptPayload):
+            SMALL_BLOCKS.apply_into(old.data.copy(), payload[:cut], 2, "t")
+
+
+def test_byte_flips_are_refused_or_left_to_the_checksum():
+    """A flipped byte raises CorruptPayload (nothing else escapes the decoder); the few that
+    still parse (a padding bit, a raw low-bits byte) give bytes the target checksum rejects."""
+    payload, new, old = payload_pair()
+    refused = wrong = 0
+    for at in range(payload.size):
+        bad = payload.copy()
+        bad[at] ^= 0x55
+        out = old.data.copy()
+        try:
+            SMALL_BLOCKS.apply_into(out, bad, 2, "t")
+        except CorruptPayload:
+            refused += 1
+            continue
+        wrong += not np.array_equal(out, new.data)
+    assert refused + wrong >= payload.size - 8  # at most a few padding-bit flips are harmless
+    assert refused > payload.size // 4
+
+
+def test_a_payload_for_another_tensor_is_refused():
+    payload, new, old = payload_pair()
+    with pytest.raises(CorruptPayload, match="another tensor"):
+        SMALL_BLOCKS.apply_into(np.zeros(702, np.uint8), payload, 2, "t")
+    with pytest.raises(CorruptPayload, match="another tensor"):
+        SMALL_BLOCKS.apply_into(old.data.copy(), payload, 1, "t")
+
+
+def test_a_corrupt_version_never_returns_tensors():
+    payload, new, old = payload_pair()
+    files = encode_version({"t": new}, {"t": old}, version=1, base_version=0, codec="sparse")
+    shard = next(name for name in files if name.endswith(".safetensors"))
+    body = bytearray(files[shard])
+    body[-3] ^= 0xFF
+    with pytest.raises((CorruptPayload, ChecksumMismatch)):
+        fold({"t": old}, [{**files, shard: bytes(body)}])
+
+
+# -- a decoder written from docs/format.md §5 alone, one element at a time ---------------------
+
+
+def leb128(data: bytes, at: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[at]
+        at += 1
+        value |= (byte & 0x7F) << shift
+        shift += 7
+        if not byte & 0x80:
+            return value, at
+
+
+def bits_msb_first(data: bytes, count: int) -> list[int]:
+    return [(data[i // 8] >> (7 - i % 8)) & 1 for i in range(count)]
+
+
+def doc_order(x: int, w: int) -> int:
+    sign, ones = 1 << (8 * w - 1), (1 << (8 * w)) - 1
+    return x ^ (sign | ((x >> (8 * w - 1)) * ones))
+
+
+def doc_unorder(y: int, w: int) -> int:
+    sign, ones = 1 << (8 * w - 1), (1 << (8 * w)) - 1
+    return y ^ (sign | (((y >> (8 * w - 1)) ^ 1) * ones))
+
+
+def doc_decode(payload: bytes, old: list[int], w: int) -> list[int]:
+    assert payload[:4] == b"TSP2" and payload[4] == w and payload[6] == 0
+    block = 1 << payload[5]
+    n, at = leb128(payload, 7)
+    k, at = leb128(payload, at)
+    lengths = []
+    for _ in range(-(-n // block)):
+        length, at = leb128(payload, at)
+        lengths.append(length)
+    new, total = list(old), 0
+    for index, length in enumerate(lengths):
+        body, at = payload[at : at + length], at + length
+        changes, p = leb128(body, 0)
+        total += changes
+        if not changes:
+            continue
+        mode, r = body[p], body[p + 1]
+        unary_bits, p = leb128(body, p + 2)
+        sizes = [r * -(-changes // 8), -(-unary_bits // 8)]
+        sizes += [-(-changes // 8)] * (mode == 2) + [changes] * w
+        descriptors = []
+        for _ in sizes:
+            d, p = leb128(body, p)
+            descriptors.append(d)
+        streams = []
+        for d, size in zip(descriptors, sizes, strict=True):
+            raw = body[p : p + (d >> 2)]
+            p += d >> 2
+            kind = d & 3
+            streams.append(
+                bytes(size) if kind == 2 else zstandard.ZstdDecompressor().decompress(raw)
+                if kind == 1 else raw
+            )  # fmt: skip
+        plane = -(-changes // 8)
+        low = [0] * changes
+        for j in range(r):
+            for i, bit in enumerate(bits_msb_first(streams[0][j * plane :], changes)):
+                low[i] |= bit << j
+        quotients, run = [], 0
+        for bit in bits_msb_first(streams[1], unary_bits):
+            if bit:
+                quotients.append(run)
+                run = 0
+            else:
+                run += 1
+        planes = streams[3:] if mode == 2 else streams[2:]
+        values = [sum(planes[j][i] << (8 * j) for j in range(w)) for i in range(changes)]
+        signs = bits_msb_first(streams[2], changes) if mode == 2 else [0] * changes
+        position = index * block - 1
+        modulus = 1 << (8 * w)
+        for i in range(changes):
+            position += low[i] + (quotients[i] << r) + 1
+            if mode == 0:
+                new[position] = values[i]
+            elif mode == 1:
+                new[position] ^= values[i]
+            else:
+                step = values[i] + 1
+                step = (modulus - step) % modulus if signs[i] else step
+                new[position] = doc_unorder((doc_order(old[position], w) + step) % modulus, w)
+    assert total == k
+    return new
+
+
+@pytest.mark.parametrize("dtype", ["U8", "BF16", "F32"])
+def test_a_decoder_written_from_the_document_reads_tethers_payloads(dtype):
+    w = {"U8": 1, "BF16": 2, "F32": 4}[dtype]
+    rng = np.random.default_rng(11)
+    old = rng.integers(0, 2 ** (8 * w), 900, dtype=f"<u{w}")
+    new = old.copy()
+    new[rng.random(900) < 0.1] += 1  # STEP wins
+    new[::97] ^= 0x40  # a few XOR-like flips
+    as_raw = [RawTensor(dtype, (900,), a.view(np.uint8)) for a in (new, old)]
+    payload = SMALL_BLOCKS.encode_tensor(*as_raw)
+    decoded = doc_decode(payload.tobytes(), [int(x) for x in old], w)
+    assert decoded == [int(x) for x in new]
