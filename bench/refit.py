@@ -6,7 +6,9 @@ reference`: the CPU reference engine; `--engine vllm`: vLLM's CPU build from `.v
 behind an engine agent (no control plane: the agent follows the store pointer), keeps a
 client generating through the agent, publishes a delta v1 and measures:
 
-- `staging_s`: the agent's fetch + fold/verify + convert + write, while the engine serves;
+- `staging_s`: the agent's fetch + fold/verify + convert + write, while the engine serves,
+  and each of those stages as GB/s of BF16 checkpoint (`fetch_gb_s`, `fold_verify_gb_s`,
+  `convert_gb_s` for `--precision`, `write_gb_s`);
 - `pause_s`: how long the engine was paused for the commit (pause → load → continue);
 - `requests_during_staging`: client requests completed inside the staging window;
 - `full_reload_pause_s`: the naive refit, where the engine stops serving until a fresh
@@ -334,6 +336,12 @@ def run(
         "logprobs_match_after_commit": matched,
         "logprobs_max_gap": None if gap is None else round(gap, 5),
     }
+    # Each catch-up stage as GB of BF16 checkpoint per second of the agent's wall clock (the
+    # agent is another process, so its thread CPU time is not visible from here).
+    checkpoint_bytes = 2 * parameters
+    for stage in ("fetch", "fold_verify", "convert", "write"):
+        seconds = figures[f"{stage}_s"]
+        figures[f"{stage}_gb_s"] = round(checkpoint_bytes / seconds / 1e9, 3) if seconds else None
     table = Table("refit", "engine paused (s)", "vs staged")
     table.add_row("staged by the agent (commit only)", f"{figures['pause_s']:.3f}", "1.00x")
     for label, key in (

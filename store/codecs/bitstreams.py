@@ -16,24 +16,42 @@ from store.errors import CorruptPayload
 _SAMPLE = 1 << 16  # gaps inspected to pick the Rice parameter
 
 
-def rice_parameter(gaps: np.ndarray, span: int) -> int:
-    """The Rice parameter r that codes `gaps` in the fewest bits.
+def rice_parameter(values: np.ndarray, total: int, limit: int = 31) -> int:
+    """The Rice parameter r (≤ `limit`) that codes `values` in the fewest bits.
 
-    Candidates sit around log2 of the mean gap (the optimum for geometric gaps); the exact
-    cost k(r+1) + Σ(g >> r) is computed on a sample. Σ(g >> r) ≤ span >> r, so a few huge
-    gaps (clustered changes) can never blow the unary part up.
+    Candidates sit around log2 of the mean value (`total` / count; the optimum for
+    geometric values); the exact cost k(r+1) + Σ(v >> r) is computed on a sample. For gaps,
+    Σ(g >> r) ≤ span >> r, so a few huge gaps (clustered changes) cannot blow up the unary
+    part.
     """
-    k = int(gaps.size)
+    k = int(values.size)
     if k == 0:
         return 0
-    centre = max(0, int(np.log2(max(span / k, 1.0))))
-    sample = gaps[:: max(1, k // _SAMPLE)]
+    centre = max(0, int(np.log2(max(total / k, 1.0))))
+    sample = values[:: max(1, k // _SAMPLE)].astype(np.uint64)
     best, best_cost = 0, None
-    for r in range(max(0, centre - 3), min(centre + 2, 62) + 1):
+    for r in range(max(0, centre - 3), min(centre + 2, limit) + 1):
         cost = sample.size * (r + 1) + int((sample >> np.uint64(r)).sum())
         if best_cost is None or cost < best_cost:
             best, best_cost = r, cost
     return best
+
+
+def rice_encode(values: np.ndarray, r: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """(low-bit planes, unary stream, unary bit count) of `values` with Rice parameter r."""
+    unary, bits = unary_stream(values >> values.dtype.type(r))
+    return pack_fields(values, r), unary, bits
+
+
+def rice_decode(
+    low: np.ndarray, unary: np.ndarray, unary_bits: int, count: int, r: int, what: str
+) -> np.ndarray:
+    """Inverse of `rice_encode`: `count` values as uint64 (arithmetic wraps, never raises)."""
+    quotients = read_unary(unary, unary_bits, count, what).view(np.uint64)
+    values = unpack_fields(low, count, r, np.dtype(np.uint64))
+    quotients <<= np.uint64(r)
+    values += quotients
+    return values
 
 
 def pack_fields(values: np.ndarray, width: int) -> np.ndarray:

@@ -20,12 +20,10 @@ from __future__ import annotations
 import numpy as np
 
 from store.codecs.bitstreams import (
-    pack_fields,
-    read_unary,
     read_varint,
+    rice_decode,
+    rice_encode,
     rice_parameter,
-    unary_stream,
-    unpack_fields,
     write_varint,
 )
 from store.codecs.sparse import float_order, float_unorder, scan_changes
@@ -40,6 +38,7 @@ VALUES_NEW, VALUES_XOR, VALUES_STEP = 0, 1, 2
 STREAM_RAW, STREAM_ZSTD, STREAM_ZERO = 0, 1, 2
 ZSTD_LEVEL = 1
 _MODE_SAMPLE = 1 << 12  # changed elements inspected to pick a block's value representation
+_MAX_UNARY_PER_VALUE = 64  # bound on a STEP block's magnitude unary bits per nonzero magnitude
 _GAP = np.dtype("<u4")  # gaps inside a block (blocks hold at most 2**31 elements)
 
 
@@ -68,12 +67,28 @@ def _step_parts(new: np.ndarray, old: np.ndarray) -> tuple[np.ndarray, np.ndarra
     return down, step
 
 
+def _rice_bits(values: np.ndarray, total: int) -> float:
+    r = rice_parameter(values, total, 62)
+    return float(values.size * (r + 1) + int((values.astype(np.uint64) >> np.uint64(r)).sum()))
+
+
+def _magnitude_bits(magnitude: np.ndarray) -> float:
+    """Bits the STEP layout spends on magnitudes: Rice-coded positions and values of the
+    nonzero ones."""
+    nonzero = np.flatnonzero(magnitude)
+    if not nonzero.size:
+        return 0.0
+    gaps = np.diff(nonzero, prepend=-1) - 1
+    values = magnitude[nonzero] - magnitude.dtype.type(1)
+    return _rice_bits(gaps, magnitude.size) + _rice_bits(values, int(values.sum(dtype=np.uint64)))
+
+
 def _choose_mode(new: np.ndarray, old: np.ndarray) -> int:
     """The value representation with the fewest estimated bits on a sample (STEP wins ties)."""
     new, old = new[:_MODE_SAMPLE], old[:_MODE_SAMPLE]
     sign, magnitude = _step_parts(new, old)
     estimates = {
-        VALUES_STEP: float(sign.size) + _plane_bits(magnitude),
+        VALUES_STEP: float(sign.size) + _magnitude_bits(magnitude),
         VALUES_XOR: _plane_bits(new ^ old),
         VALUES_NEW: _plane_bits(new),
     }
@@ -91,6 +106,13 @@ def _join_planes(planes: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
     for j, plane in enumerate(planes):
         joined[:, j] = plane
     return joined.reshape(-1).view(dtype)
+
+
+def _check_unary(bits: int, count: int, slack: int, what: str) -> None:
+    """A unary stream of `count` codes has at least `count` bits and, by construction of
+    the encoder, at most `count + slack`; refusing more bounds a hostile payload's memory."""
+    if not count <= bits <= count + slack:
+        raise CorruptPayload(f"{what} declares {bits} unary bits for {count} values")
 
 
 class SparseV2Codec:
@@ -114,6 +136,35 @@ class SparseV2Codec:
                 return STREAM_ZSTD, frame
         return STREAM_RAW, data
 
+    def _step_streams(
+        self, new_values: np.ndarray, old_values: np.ndarray, head: bytearray
+    ) -> list[np.ndarray] | None:
+        """STEP streams (signs, then nonzero magnitudes' Rice-coded positions and values),
+        their header fields appended to `head`; None if the magnitudes are too wild."""
+        sign, magnitude = _step_parts(new_values, old_values)
+        nonzero = np.flatnonzero(magnitude).astype(_GAP)
+        streams = [np.packbits(sign)]
+        fields = bytearray()
+        write_varint(int(nonzero.size), fields)
+        if nonzero.size:
+            gaps = np.diff(nonzero, prepend=_GAP.type(0))
+            gaps[1:] -= _GAP.type(1)
+            values = magnitude[nonzero] - magnitude.dtype.type(1)
+            r_gap = rice_parameter(gaps, int(magnitude.size))
+            r_value = rice_parameter(values, int(values.sum(dtype=np.uint64)), 62)
+            bound = _MAX_UNARY_PER_VALUE * int(nonzero.size)
+            if int((values.astype(np.uint64) >> np.uint64(r_value)).sum()) > bound:
+                return None
+            gap_low, gap_unary, gap_bits = rice_encode(gaps, r_gap)
+            value_low, value_unary, value_bits = rice_encode(values, r_value)
+            fields.append(r_gap)
+            write_varint(gap_bits, fields)
+            fields.append(r_value)
+            write_varint(value_bits, fields)
+            streams += [gap_low, gap_unary, value_low, value_unary]
+        head += fields
+        return streams
+
     def _encode_block(self, new: np.ndarray, old: np.ndarray) -> bytes:
         gaps, new_values, old_values = scan_changes(new, old, _GAP)
         changed = int(gaps.size)
@@ -123,23 +174,30 @@ class SparseV2Codec:
             return bytes(head)
         mode = _choose_mode(new_values, old_values)
         r = rice_parameter(gaps, int(new.size))
-        unary, unary_bits = unary_stream(gaps >> _GAP.type(r))
-        streams = [pack_fields(gaps, r), unary]
+        low, unary, unary_bits = rice_encode(gaps, r)
+        fields = bytearray()
+        value_streams = None
         if mode == VALUES_STEP:
-            sign, magnitude = _step_parts(new_values, old_values)
-            streams.append(np.packbits(sign))
-            streams += _byte_planes(magnitude)
-        else:
+            value_streams = self._step_streams(new_values, old_values, fields)
+            mode = VALUES_STEP if value_streams is not None else VALUES_XOR
+        if value_streams is None:
             values = new_values ^ old_values if mode == VALUES_XOR else new_values
-            streams += _byte_planes(values)
+            value_streams = _byte_planes(values)
         head += bytes((mode, r))
         write_varint(unary_bits, head)
-        bodies = []
-        for stream in streams:
-            kind, body = self._squeeze(stream)
-            write_varint(len(body) << 2 | kind, head)
-            bodies.append(body)
-        return b"".join([bytes(head), *bodies])
+        head += fields
+        streams = [low, unary, *value_streams]
+        squeezed = [self._squeeze(stream) for stream in streams]
+        # Stream kinds, 2 bits each, four to a byte; then the stored length of each zstd
+        # stream (a raw stream's length is its decoded size, which the reader knows).
+        kinds = bytearray(-(-len(squeezed) // 4))
+        for j, (kind, _) in enumerate(squeezed):
+            kinds[j // 4] |= kind << (2 * (j % 4))
+        head += kinds
+        for kind, body in squeezed:
+            if kind == STREAM_ZSTD:
+                write_varint(len(body), head)
+        return b"".join([bytes(head), *(body for _, body in squeezed)])
 
     def encode_tensor(self, target: RawTensor, base: RawTensor) -> np.ndarray | None:
         new, old = target.bits(), base.bits()
@@ -154,7 +212,7 @@ class SparseV2Codec:
         head = bytearray(MAGIC + bytes((target.itemsize, self._block_log2, 0)))
         write_varint(int(new.size), head)
         write_varint(changed, head)
-        for block in blocks:
+        for block in blocks[:-1]:  # the last block takes the rest of the payload
             write_varint(len(block), head)
         return np.frombuffer(b"".join([bytes(head), *blocks]), dtype=np.uint8)
 
@@ -174,6 +232,32 @@ class SparseV2Codec:
             )
         return np.frombuffer(body, dtype=np.uint8)
 
+    def _read_streams(
+        self, block: memoryview, offset: int, sizes: list[int], what: str
+    ) -> list[np.ndarray]:
+        """The streams of a block whose descriptors start at `offset`, decoded and checked."""
+        packed = block[offset : offset + -(-len(sizes) // 4)]
+        offset += len(packed)
+        if len(packed) * 4 < len(sizes):
+            raise CorruptPayload(f"{what} is truncated inside its stream kinds")
+        kinds, lengths = [], []
+        for j, size in enumerate(sizes):
+            kind = (packed[j // 4] >> (2 * (j % 4))) & 3
+            if kind == STREAM_ZSTD:
+                length, offset = read_varint(block, offset, what)
+            else:
+                length = size if kind == STREAM_RAW else 0
+            kinds.append(kind)
+            lengths.append(length)
+        if offset + sum(lengths) != len(block):
+            raise CorruptPayload(f"{what} is {len(block)} bytes, its stream table disagrees")
+        streams = []
+        for j, (kind, length, size) in enumerate(zip(kinds, lengths, sizes, strict=True)):
+            body = block[offset : offset + length]
+            streams.append(self._stream(kind, body, size, f"{what} stream {j}"))
+            offset += length
+        return streams
+
     def _apply_block(self, bits: np.ndarray, block: memoryview, what: str) -> int:
         """Patch `bits` (one block of the tensor, as unsigned ints) in place; return k."""
         changed, offset = read_varint(block, 0, what)
@@ -184,40 +268,51 @@ class SparseV2Codec:
         if changed > bits.size or offset + 2 > len(block):
             raise CorruptPayload(f"{what} claims {changed} changes in {bits.size} elements")
         mode, r = block[offset], block[offset + 1]
-        if mode not in (VALUES_NEW, VALUES_XOR, VALUES_STEP) or r > 62:
+        if mode not in (VALUES_NEW, VALUES_XOR, VALUES_STEP) or r > 31:
             raise CorruptPayload(f"{what} has value mode {mode} and Rice parameter {r}")
         unary_bits, offset = read_varint(block, offset + 2, what)
-        if not changed <= unary_bits <= changed + (bits.size >> r):
-            raise CorruptPayload(f"{what} declares {unary_bits} unary bits for {changed} gaps")
-        width = bits.dtype.itemsize
-        sizes = [r * -(-changed // 8), -(-unary_bits // 8)]
-        sizes += [-(-changed // 8)] if mode == VALUES_STEP else []
-        sizes += [changed] * width
-        descriptors = []
-        for _ in sizes:
-            descriptor, offset = read_varint(block, offset, what)
-            descriptors.append(descriptor)
-        if offset + sum(d >> 2 for d in descriptors) != len(block):
-            raise CorruptPayload(f"{what} is {len(block)} bytes, its stream table disagrees")
-        streams = []
-        for j, (descriptor, size) in enumerate(zip(descriptors, sizes, strict=True)):
-            length = descriptor >> 2
-            body = block[offset : offset + length]
-            streams.append(self._stream(descriptor & 3, body, size, f"{what} stream {j}"))
-            offset += length
-        quotients = read_unary(streams[1], unary_bits, changed, what)
-        gaps = unpack_fields(streams[0], changed, r, np.dtype(np.int64))
-        quotients <<= r
-        gaps += quotients
+        _check_unary(unary_bits, changed, bits.size >> r, what)
+        plane = -(-changed // 8)
+        sizes = [r * plane, -(-unary_bits // 8)]
+        nonzero = 0
+        if mode == VALUES_STEP:
+            nonzero, offset = read_varint(block, offset, what)
+            sizes.append(plane)
+            if nonzero:
+                if nonzero > changed or offset + 1 >= len(block):
+                    raise CorruptPayload(f"{what} claims {nonzero} magnitudes of {changed}")
+                r_gap = block[offset]
+                gap_bits, offset = read_varint(block, offset + 1, what)
+                if r_gap > 31 or offset >= len(block):
+                    raise CorruptPayload(f"{what} has Rice parameter {r_gap} for magnitudes")
+                r_value = block[offset]
+                value_bits, offset = read_varint(block, offset + 1, what)
+                if r_value > 62:
+                    raise CorruptPayload(f"{what} has Rice parameter {r_value} for magnitudes")
+                _check_unary(gap_bits, nonzero, changed >> r_gap, what)
+                _check_unary(value_bits, nonzero, _MAX_UNARY_PER_VALUE * nonzero, what)
+                inner = -(-nonzero // 8)
+                sizes += [r_gap * inner, -(-gap_bits // 8), r_value * inner, -(-value_bits // 8)]
+        else:
+            sizes += [changed] * bits.dtype.itemsize
+        streams = self._read_streams(block, offset, sizes, what)
+        gaps = rice_decode(streams[0], streams[1], unary_bits, changed, r, what).view(np.int64)
         gaps += 1
         positions = np.cumsum(gaps, out=gaps)
         positions -= 1
         if int(positions[-1]) >= bits.size:
             raise CorruptPayload(f"{what} places a change past the end of its block")
         if mode == VALUES_STEP:
-            sign = np.unpackbits(streams[2], count=changed).astype(bool)
-            step = _join_planes(streams[3:], bits.dtype)
-            step += bits.dtype.type(1)
+            step = np.ones(changed, dtype=bits.dtype)
+            if nonzero:
+                at = rice_decode(streams[3], streams[4], gap_bits, nonzero, r_gap, what)
+                at = np.cumsum(at.view(np.int64) + 1) - 1
+                if int(at[-1]) >= changed:
+                    raise CorruptPayload(f"{what} places a magnitude past its last change")
+                magnitude = rice_decode(streams[5], streams[6], value_bits, nonzero, r_value, what)
+                magnitude += np.uint64(1)  # stored: m - 1 of each nonzero m; step = m + 1
+                step[at] += magnitude.astype(bits.dtype)
+            sign = np.unpackbits(streams[2], count=changed).view(bool)
             np.negative(step, out=step, where=sign)
             bits[positions] = float_unorder(float_order(bits[positions]) + step)
         elif mode == VALUES_XOR:
@@ -246,14 +341,15 @@ class SparseV2Codec:
             )
         size = 1 << block_log2
         lengths = []
-        for _ in range(-(-count // size)):
+        for _ in range(-(-count // size) - 1):
             length, offset = read_varint(raw, offset, what)
             lengths.append(length)
-        if offset + sum(lengths) != len(raw):
+        if offset + sum(lengths) >= len(raw):
             raise CorruptPayload(
-                f"{what} is {len(raw)} bytes but its block table adds up to "
-                f"{offset + sum(lengths)}; it is truncated or corrupt"
+                f"{what} is {len(raw)} bytes but its block table needs more; it is "
+                "truncated or corrupt"
             )
+        lengths.append(len(raw) - offset - sum(lengths))  # the last block takes the rest
         bits = out.view(ELEMENT_BITS[width])
         jobs = []
         for index, length in enumerate(lengths):
