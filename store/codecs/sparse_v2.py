@@ -32,7 +32,7 @@ from store.codecs.zstd_frames import ZstdContexts, decompress_exact
 from store.errors import CorruptPayload
 from store.tensors import ELEMENT_BITS, RawTensor
 
-MAGIC = b"TSP2"
+TAG = 0x32  # first byte of every payload ("2"): one byte, not four, as tiny tensors pay it
 BLOCK_LOG2 = 22  # 4 Mi elements: 8 MiB of BF16, a unit of parallel work
 VALUES_NEW, VALUES_XOR, VALUES_STEP = 0, 1, 2
 STREAM_RAW, STREAM_ZSTD, STREAM_ZERO = 0, 1, 2
@@ -209,7 +209,7 @@ class SparseV2Codec:
         changed = sum(read_varint(b, 0, "block")[0] for b in blocks)
         if changed == 0:
             return None
-        head = bytearray(MAGIC + bytes((target.itemsize, self._block_log2, 0)))
+        head = bytearray((TAG, target.itemsize, self._block_log2))
         write_varint(int(new.size), head)
         write_varint(changed, head)
         for block in blocks[:-1]:  # the last block takes the rest of the payload
@@ -324,20 +324,20 @@ class SparseV2Codec:
     def apply_into(self, out: np.ndarray, payload: np.ndarray, itemsize: int, name: str) -> None:
         what = f"sparse-v2 payload of {name!r}"
         raw = memoryview(np.ascontiguousarray(payload)).cast("B")
-        if len(raw) < 7 or bytes(raw[:4]) != MAGIC:
-            raise CorruptPayload(f"{what} does not start with {MAGIC!r}")
-        width, block_log2, reserved = raw[4], raw[5], raw[6]
-        count, offset = read_varint(raw, 7, what)
+        if len(raw) < 3 or raw[0] != TAG:
+            raise CorruptPayload(f"{what} does not start with the sparse-v2 tag {TAG:#x}")
+        width, block_log2 = raw[1], raw[2]
+        count, offset = read_varint(raw, 3, what)
         changed, offset = read_varint(raw, offset, what)
         if width != itemsize or count * width != out.size:
             raise CorruptPayload(
                 f"{what} describes {count} elements of {width} bytes, but the tensor has "
                 f"{out.size // itemsize} elements of {itemsize}; it belongs to another tensor"
             )
-        if reserved != 0 or not 8 <= block_log2 <= 31 or changed > count:
+        if not 8 <= block_log2 <= 31 or changed > count:
             raise CorruptPayload(
-                f"{what} has an invalid header (block size 2**{block_log2}, reserved "
-                f"{reserved}, {changed} changed of {count})"
+                f"{what} has an invalid header (block size 2**{block_log2}, "
+                f"{changed} changed of {count})"
             )
         size = 1 << block_log2
         lengths = []

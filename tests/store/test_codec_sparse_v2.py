@@ -226,9 +226,9 @@ def doc_positions(gaps: list[int], start: int) -> list[int]:
 
 
 def doc_decode(payload: bytes, old: list[int], w: int) -> list[int]:
-    assert payload[:4] == b"TSP2" and payload[4] == w and payload[6] == 0
-    block = 1 << payload[5]
-    n, at = leb128(payload, 7)
+    assert payload[0] == 0x32 and payload[1] == w
+    block = 1 << payload[2]
+    n, at = leb128(payload, 3)
     k, at = leb128(payload, at)
     lengths = []
     for _ in range(-(-n // block) - 1):
