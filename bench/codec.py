@@ -208,7 +208,9 @@ def measure_case(
     full = total_bytes(target)
 
     def encode(codec: str) -> Callable[[], dict]:
-        return lambda: encode_version(target, base, version=1, base_version=0, codec=codec)
+        return lambda: encode_version(
+            target, base, version=1, base_version=0, codec=codec, workers=workers.threads()
+        )
 
     workers.set_threads(1)
     sparse, t_enc = _cpu(encode("sparse"))
@@ -269,7 +271,9 @@ def two_core_speedup(target: Mapping, base: Mapping, repeats: int) -> dict[str, 
 
     files = encode_version(target, base, version=1, base_version=0, codec="sparse")
     jobs = {
-        "encode": lambda: encode_version(target, base, version=1, base_version=0, codec="sparse"),
+        "encode": lambda: encode_version(
+            target, base, version=1, base_version=0, codec="sparse", workers=workers.threads()
+        ),
         "decode": lambda: fold(base, [files]),
     }
     out: dict[str, float] = {}

@@ -11,19 +11,38 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_codec_bench_prints_its_figures_as_the_last_json_line():
+    """A density case and one real-gradient step (with its FP8 and NVFP4 views), tiny."""
     done = subprocess.run(
-        [sys.executable, "-m", "bench.codec", "--params", "2e5", "--steps", "1", "--lrs", "1e-6"],
+        [sys.executable, "-m", "bench.codec", "--params", "2e5", "--densities", "0.01",
+         "--warmup-steps", "1", "--rl-lrs", "1e-6", "--rl-steps", "1", "--repeats", "1"],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,
         check=True,
-    )
+    )  # fmt: skip
     figures = json.loads(done.stdout.strip().splitlines()[-1])
-    for key in ("sparse_over_xor", "sparse_over_entropy", "encode_gb_s", "decode_gb_s", "params"):
+    for key in (
+        "worst_sparse_over_xor",
+        "worst_sparse_over_entropy",
+        "min_encode_gb_s",
+        "min_decode_gb_s",
+        "two_core_speedup",
+        "convert_fp8_gb_s",
+        "convert_nvfp4_gb_s",
+        "params",
+    ):
         assert figures[key] > 0, key
-    assert figures["sparse_over_xor"] < 1.0
-    assert len(figures["steps"]) == 1
+    assert figures["worst_sparse_over_xor"] < 1.0
+    kinds = [case["kind"] for case in figures["cases"]]
+    assert kinds == ["density", "real-bf16", "real-fp8", "real-nvfp4"]
+    assert set(figures["stages_gb_s_per_core"]) == {
+        "fetch_gb_s",
+        "fold_verify_gb_s",
+        "convert_fp8_gb_s",
+        "convert_nvfp4_gb_s",
+        "write_staged_gb_s",
+    }
 
 
 def test_tether_bench_codec_has_help():

@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 
 from store.codecs import encode_version, fold, workers
 from store.codecs.delta import encode_delta
+from store.codecs.fold import read_manifest
 from store.codecs.sparse import SparseCodec
 from store.codecs.sparse_v2 import SparseV2Codec
 from store.errors import ChecksumMismatch, CorruptPayload
-from store.fold import read_manifest
 from store.tensors import RawTensor
 from tests.store.tensor_cases import raw_tensors, successors
 
