@@ -42,15 +42,24 @@ _MAX_UNARY_PER_VALUE = 64  # bound on a STEP block's magnitude unary bits per no
 _GAP = np.dtype("<u4")  # gaps inside a block (blocks hold at most 2**31 elements)
 
 
+_ZSTD_OVERHEAD_BITS = 8 * 48  # frame header and Huffman table of a small zstd frame
+
+
 def _plane_bits(values: np.ndarray) -> float:
-    """Sum of the order-0 entropies of the byte planes of `values`, in bits."""
+    """Estimated bits of the byte planes of `values` as stored: per plane nothing if all
+    zero, else its order-0 entropy plus a zstd frame's overhead, or raw if that is less
+    (few changes: the entropy of a handful of samples says nothing, raw bytes are what
+    gets written)."""
     width = values.dtype.itemsize
     planes = values.view(np.uint8).reshape(-1, width)
     total = 0.0
     for j in range(width):
         counts = np.bincount(planes[:, j], minlength=256)
+        if counts[0] == planes.shape[0]:
+            continue
         counts = counts[counts > 0]
-        total -= float((counts * np.log2(counts / planes.shape[0])).sum())
+        entropy = -float((counts * np.log2(counts / planes.shape[0])).sum())
+        total += min(8.0 * planes.shape[0], entropy + _ZSTD_OVERHEAD_BITS)
     return total
 
 
