@@ -247,8 +247,8 @@ class SparseV2Codec:
         """The streams of a block whose descriptors start at `offset`, decoded and checked."""
         packed = block[offset : offset + -(-len(sizes) // 4)]
         offset += len(packed)
-        if len(packed) * 4 < len(sizes):
-            raise CorruptPayload(f"{what} is truncated inside its stream kinds")
+        if len(packed) * 4 < len(sizes) or int.from_bytes(packed, "little") >> 2 * len(sizes):
+            raise CorruptPayload(f"{what} has a truncated or invalid stream kinds field")
         kinds, lengths = [], []
         for j, size in enumerate(sizes):
             kind = (packed[j // 4] >> (2 * (j % 4))) & 3
