@@ -76,7 +76,7 @@ def _values(mode: int, new_values: np.ndarray, old_values: np.ndarray) -> np.nda
     return new_values
 
 
-def _planes(values: np.ndarray, width: int) -> list[np.ndarray]:
+def byte_planes(values: np.ndarray, width: int) -> list[np.ndarray]:
     """Split unsigned ints of `width` bytes into byte planes, least significant first."""
     as_bytes = values.view(np.uint8).reshape(-1, width)
     return [np.ascontiguousarray(as_bytes[:, j]) for j in range(width)]
@@ -128,7 +128,7 @@ def _plane_entropy(planes: list[np.ndarray]) -> float:
     return total
 
 
-def _join_planes(planes: list[np.ndarray], width: int) -> np.ndarray:
+def join_planes(planes: list[np.ndarray], width: int) -> np.ndarray:
     joined = np.empty((planes[0].size, width), dtype=np.uint8)
     for j, plane in enumerate(planes):
         joined[:, j] = plane
@@ -159,10 +159,10 @@ class SparseCodec:
         sample_new, sample_old = new_values[:_MODE_SAMPLE], old_values[:_MODE_SAMPLE]
         mode = min(
             (VALUES_STEP, VALUES_XOR, VALUES_NEW),
-            key=lambda m: _plane_entropy(_planes(_values(m, sample_new, sample_old), width)),
+            key=lambda m: _plane_entropy(byte_planes(_values(m, sample_new, sample_old), width)),
         )
-        value_frames = self._frames(_planes(_values(mode, new_values, old_values), width))
-        frames = self._frames(_planes(gaps, gap_width)) + value_frames
+        value_frames = self._frames(byte_planes(_values(mode, new_values, old_values), width))
+        frames = self._frames(byte_planes(gaps, gap_width)) + value_frames
         header = _HEADER.pack(MAGIC, width, mode, gap_width, 0, int(new.size), changed)
         lengths = struct.pack(f"<{len(frames)}Q", *map(len, frames))
         return np.frombuffer(b"".join([header, lengths, *frames]), dtype=np.uint8)
@@ -214,7 +214,7 @@ class SparseCodec:
                 )
                 planes.append(np.frombuffer(data, dtype=np.uint8))
             start += length
-        gaps = _join_planes(planes[:gap_width], gap_width)
+        gaps = join_planes(planes[:gap_width], gap_width)
         if int(gaps.max()) >= count:
             raise CorruptPayload(f"{what} has a gap past the end of the tensor")
         positions = np.cumsum(gaps, dtype=np.int64)
@@ -224,7 +224,7 @@ class SparseCodec:
             raise CorruptPayload(
                 f"{what} places a change at element {int(positions[-1])} of {count}"
             )
-        values = _join_planes(planes[gap_width:], width)
+        values = join_planes(planes[gap_width:], width)
         bits = out.view(ELEMENT_BITS[width])
         if mode == VALUES_XOR:
             bits[positions] ^= values

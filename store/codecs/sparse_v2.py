@@ -26,7 +26,13 @@ from store.codecs.bitstreams import (
     rice_parameter,
     write_varint,
 )
-from store.codecs.sparse import float_order, float_unorder, scan_changes
+from store.codecs.sparse import (
+    byte_planes,
+    float_order,
+    float_unorder,
+    join_planes,
+    scan_changes,
+)
 from store.codecs.workers import map_blocks
 from store.codecs.zstd_frames import ZstdContexts, decompress_exact
 from store.errors import CorruptPayload
@@ -104,19 +110,6 @@ def _choose_mode(new: np.ndarray, old: np.ndarray) -> int:
     return min(estimates, key=estimates.__getitem__)
 
 
-def _byte_planes(values: np.ndarray) -> list[np.ndarray]:
-    width = values.dtype.itemsize
-    as_bytes = values.view(np.uint8).reshape(-1, width)
-    return [np.ascontiguousarray(as_bytes[:, j]) for j in range(width)]
-
-
-def _join_planes(planes: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
-    joined = np.empty((planes[0].size, len(planes)), dtype=np.uint8)
-    for j, plane in enumerate(planes):
-        joined[:, j] = plane
-    return joined.reshape(-1).view(dtype)
-
-
 def _check_unary(bits: int, count: int, slack: int, what: str) -> None:
     """A unary stream of `count` codes has at least `count` bits and, by construction of
     the encoder, at most `count + slack`; refusing more bounds a hostile payload's memory."""
@@ -191,7 +184,7 @@ class SparseV2Codec:
             mode = VALUES_STEP if value_streams is not None else VALUES_XOR
         if value_streams is None:
             values = new_values ^ old_values if mode == VALUES_XOR else new_values
-            value_streams = _byte_planes(values)
+            value_streams = byte_planes(values, values.dtype.itemsize)
         head += bytes((mode, r))
         write_varint(unary_bits, head)
         head += fields
@@ -325,9 +318,9 @@ class SparseV2Codec:
             np.negative(step, out=step, where=sign)
             bits[positions] = float_unorder(float_order(bits[positions]) + step)
         elif mode == VALUES_XOR:
-            bits[positions] ^= _join_planes(streams[2:], bits.dtype)
+            bits[positions] ^= join_planes(streams[2:], bits.dtype.itemsize)
         else:
-            bits[positions] = _join_planes(streams[2:], bits.dtype)
+            bits[positions] = join_planes(streams[2:], bits.dtype.itemsize)
         return changed
 
     def apply_into(self, out: np.ndarray, payload: np.ndarray, itemsize: int, name: str) -> None:
