@@ -28,15 +28,20 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import typer
+
+if TYPE_CHECKING:
+    from store.cache import VersionFiles
 
 QWEN3_VOCAB = 151_936
 QWEN3_LAYERS = 28
 HEAD_DIM = 128
 DENSITIES = "0.0005,0.001,0.0025,0.005,0.01,0.02,0.05,0.1,0.25"
-TARGET_RANGE = (0.001, 0.10)  # densities the targets apply to (plus every real case)
+TARGET_RANGE = (0.001, 0.10)
+T = TypeVar("T")  # densities the targets apply to (plus every real case)
 
 
 def qwen3_shapes(params: float) -> dict[str, tuple[int, ...]]:
@@ -175,7 +180,7 @@ class Case:
         return self.kind == "real-bf16"
 
 
-def _cpu(fn: Callable[[], object]) -> tuple[object, float]:
+def _cpu(fn: Callable[[], T]) -> tuple[T, float]:
     """Run `fn` on this thread; return its result and this thread's CPU seconds.
 
     With codec threads = 1 every byte is coded on this thread, so CPU seconds are the time on
@@ -355,7 +360,7 @@ def _quantized_worst(cases: list[Case]) -> dict[str, float]:
     }
 
 
-def _fetched(files) -> object:
+def _fetched(files: VersionFiles) -> VersionFiles:
     files.fetch_all()
     return files
 

@@ -325,7 +325,7 @@ class SparseV2Codec:
 
     def apply_into(self, out: np.ndarray, payload: np.ndarray, itemsize: int, name: str) -> None:
         what = f"sparse-v2 payload of {name!r}"
-        raw = memoryview(np.ascontiguousarray(payload)).cast("B")
+        raw = np.ascontiguousarray(payload, dtype=np.uint8).data.cast("B")
         if len(raw) < 3 or raw[0] != TAG:
             raise CorruptPayload(f"{what} does not start with the sparse-v2 tag {TAG:#x}")
         width, block_log2 = raw[1], raw[2]
