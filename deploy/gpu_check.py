@@ -39,6 +39,10 @@ from deploy.fleet import DEFAULT_SGLANG_FLAGS
 from deploy.replica import SGLANG_ENV, ReplicaSpec, agent_argv, sglang_argv
 
 PRECISIONS = ("bf16", "fp8")
+# NVFP4 runs natively on Blackwell (compute capability 10.0+); SGLang's ModelOpt NVFP4 dense
+# path refuses older GPUs unless told to use Marlin, so the check adds it where it is native.
+NVFP4 = "nvfp4"
+NVFP4_MIN_CAPABILITY = (10, 0)
 RUN_ID = "gpu-check"
 DEFAULT_SGLANG = "sglang>=0.5.17"
 # head_dim 128 keeps every SGLang attention backend available; 1024/3072 tile FP8 blocks.
@@ -136,11 +140,35 @@ def replica_spec(work: Path, precision: str, cuda_graph: bool, store_url: str) -
     )
 
 
+def gpu_capability() -> tuple[int, int] | None:
+    """The first GPU's compute capability from nvidia-smi, None without one."""
+    try:
+        listing = subprocess.run(
+            ["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        major, minor = listing.stdout.splitlines()[0].strip().split(".")
+        return int(major), int(minor)
+    except (OSError, subprocess.TimeoutExpired, IndexError, ValueError):
+        return None
+
+
+def checked_precisions(kind: str, capability: tuple[int, int] | None) -> tuple[str, ...]:
+    """BF16 and FP8 always; NVFP4 where the GPU runs it natively (and in the CPU rehearsal,
+    whose reference engine dequantizes it)."""
+    if kind == "reference" or (capability is not None and capability >= NVFP4_MIN_CAPABILITY):
+        return (*PRECISIONS, NVFP4)
+    return PRECISIONS
+
+
 def print_plan(work: Path, cuda_graph: bool) -> None:
     store_url = f"file://{work}/store"
     print(f"work dir: {work}; store: {store_url}; run: {RUN_ID}")
     print("1. pip install sglang if it is missing; nvidia-smi must list a GPU")
     print(f"2. write a tiny Qwen3 {MODEL_SHAPE} intermediate {INTERMEDIATE} (BF16) and its FP8")
+    print(f"   (and NVFP4 on a GPU of compute capability {NVFP4_MIN_CAPABILITY[0]}.0+)")
     print("3. Publisher.claim(0, base) → FULL v0 in the store")
     for precision in PRECISIONS:
         spec = replica_spec(work, precision, cuda_graph, store_url)
@@ -180,17 +208,22 @@ def gpu_present() -> Check:
     return Check("gpu", True, gpus[0])
 
 
-def write_models(work: Path, kind: str) -> Check:
+def write_models(work: Path, kind: str, precisions: tuple[str, ...] = PRECISIONS) -> Check:
     from engine_agent.precision import convert_checkpoint
     from reference_engine.tiny_model import TinyModelSpec, init_tiny_model
 
     # A CPU rehearsal keeps init-tiny's default shape (still FP8-block aligned).
     shape = {**MODEL_SHAPE, "intermediate": INTERMEDIATE} if kind == "sglang" else {}
     base = init_tiny_model(work / "base", TinyModelSpec(**shape))
-    # The FP8 engine boots from the folder its ReplicaSpec names (work/fp8/boot-fp8).
+    # Each quantized engine boots from the folder its ReplicaSpec names (work/p/boot-p).
     fp8 = convert_checkpoint(base, "fp8", work / "fp8" / "boot-fp8")
     ok = fp8.quantized_modules > 0
-    return Check("models", ok, f"BF16 at {base}; FP8 with {fp8.quantized_modules} block scales")
+    detail = f"BF16 at {base}; FP8 with {fp8.quantized_modules} block scales"
+    if NVFP4 in precisions:
+        nvfp4 = convert_checkpoint(base, NVFP4, work / NVFP4 / f"boot-{NVFP4}")
+        ok = ok and nvfp4.quantized_modules > 0
+        detail += f"; NVFP4 with {nvfp4.quantized_modules} quantized modules"
+    return Check("models", ok, detail)
 
 
 def perturbed(tensors: dict[str, Any], version: int) -> dict[str, Any]:
@@ -413,7 +446,15 @@ def write_direct_version(work: Path, tensors: dict[str, Any], version: int) -> d
     copy_side_files(work / "base", bf16)
     fp8 = work / "direct" / f"v{version}-fp8"
     convert_checkpoint(bf16, "fp8", fp8)
-    return {"bf16": bf16, "fp8": fp8}
+    folders = {"bf16": bf16, "fp8": fp8}
+    boot_nvfp4 = work / NVFP4 / f"boot-{NVFP4}"
+    if boot_nvfp4.is_dir():
+        from engine_agent.precision import read_input_scales
+
+        # The agent stages NVFP4 with the boot checkpoint's input scales; so does this.
+        folders[NVFP4] = work / "direct" / f"v{version}-{NVFP4}"
+        convert_checkpoint(bf16, NVFP4, folders[NVFP4], read_input_scales(boot_nvfp4))
+    return folders
 
 
 def compare_outputs(precision: str, served: list[list[int]], direct: list[list[int]]) -> Check:
@@ -436,12 +477,14 @@ def run_check(work: Path, sglang_spec: str, cuda_graph: bool, kind: str = "sglan
         for preflight in (gpu_present, lambda: ensure_sglang(sglang_spec)):
             if not report.add(preflight()):
                 return report
-    report.add(write_models(work, kind))
+    precisions = checked_precisions(kind, gpu_capability() if kind == "sglang" else None)
+    report.add(Check("precisions", True, ", ".join(precisions)))
+    report.add(write_models(work, kind, precisions))
     tokens = 96 if kind == "sglang" else 12
     store_url = f"file://{work}/store"
     publisher = Publisher(store_url, RUN_ID, progress=False)
     publisher.claim(0, work / "base")
-    engines = [Engine(p, replica_spec(work, p, cuda_graph, store_url)) for p in PRECISIONS]
+    engines = [Engine(p, replica_spec(work, p, cuda_graph, store_url)) for p in precisions]
     stop = threading.Event()
     threads: list[threading.Thread] = []
     # The group stops every child on the way out, on success, error or Ctrl-C.
@@ -454,7 +497,9 @@ def run_check(work: Path, sglang_spec: str, cuda_graph: bool, kind: str = "sglan
                 engine.sglang.wait_http("/model_info", ENGINE_START_S)
                 start_agent(group, engine)
             took = time.monotonic() - started
-            report.add(Check("startup", True, f"2 engines + 2 agents up in {took:.0f}s"))
+            count = len(engines)
+            detail = f"{count} engines + {count} agents up in {took:.0f}s"
+            report.add(Check("startup", True, detail))
             for engine in engines:
                 for seed in range(3):
                     threads.append(
@@ -493,12 +538,12 @@ def run_check(work: Path, sglang_spec: str, cuda_graph: bool, kind: str = "sglan
                 engine.sglang.stop(grace_s=20)
             folders = write_direct_version(work, weights, 2)
             direct = []
-            for precision in PRECISIONS:
+            for precision in precisions:
                 spec = replica_spec(work, precision, cuda_graph, store_url)
                 argv = engine_argv(spec, kind, str(folders[precision]), version=2)
                 url = f"http://127.0.0.1:{spec.sglang_port}"
                 direct.append(group.start(f"direct-{precision}", argv, env=SGLANG_ENV, url=url))
-            for precision, process in zip(PRECISIONS, direct, strict=True):
+            for precision, process in zip(precisions, direct, strict=True):
                 process.wait_http("/model_info", ENGINE_START_S)
                 assert process.url is not None  # started with url= above
                 answers = direct_outputs(process.url)

@@ -56,3 +56,13 @@ def test_engine_flags_are_ones_sglang_launch_server_defines() -> None:
     for precision in gpu_check.PRECISIONS:
         flags = gpu_check.engine_flags(precision, cuda_graph=False)
         assert {f for f in flags if f.startswith("--")} <= known
+
+
+def test_nvfp4_is_checked_where_the_gpu_runs_it_natively_and_in_the_rehearsal() -> None:
+    assert gpu_check.checked_precisions("sglang", (9, 0)) == ("bf16", "fp8")
+    assert gpu_check.checked_precisions("sglang", None) == ("bf16", "fp8")
+    assert gpu_check.checked_precisions("sglang", (10, 0))[-1] == "nvfp4"
+    assert gpu_check.checked_precisions("reference", None)[-1] == "nvfp4"
+    spec = gpu_check.replica_spec(Path("/w"), "nvfp4", False, "file:///w/store")
+    assert "modelopt_fp4" in gpu_check.engine_flags("nvfp4", cuda_graph=False)
+    assert spec.boot_dir == "/w/nvfp4/boot-nvfp4"
