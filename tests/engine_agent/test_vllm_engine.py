@@ -354,3 +354,32 @@ def test_an_agent_for_vllm_refuses_to_start_beside_another_engine_naming_the_fix
         stop_all([agent])
     assert code == 1
     assert "is not a vLLM server" in agent.log_tail() and "--engine-kind" in agent.log_tail()
+
+
+@pytest.mark.parametrize("mode", ["in_place", "quiesce"])
+def test_each_pause_mode_pauses_vllm_and_resume_lets_it_serve_again(
+    vllm: VLLMSetup, mode: str
+) -> None:
+    import asyncio
+
+    from engine_agent.engines.base import PauseMode
+    from engine_agent.engines.vllm import VLLMEngine
+
+    engine_url = vllm.engine.url or ""
+
+    def paused() -> bool:
+        return httpx.get(f"{engine_url}/is_paused", timeout=10).json()["is_paused"]
+
+    async def pause_then_resume() -> tuple[bool, bool]:
+        engine = VLLMEngine(engine_url)
+        try:
+            await engine.pause(PauseMode(mode))
+            during = await asyncio.to_thread(paused)
+            await engine.resume()
+            return during, await asyncio.to_thread(paused)
+        finally:
+            await engine.close()
+
+    assert asyncio.run(pause_then_resume()) == (True, False)
+    reply = generate(vllm.url, {"input_ids": PROMPT, "sampling_params": GREEDY})
+    assert reply.status_code == 200 and len(reply.json()["output_ids"]) == 6
