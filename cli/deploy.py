@@ -24,7 +24,7 @@ console = Console()
 err = Console(stderr=True)
 
 if TYPE_CHECKING:
-    from deploy.fleet import FleetConfig
+    from deploy.fleet_config import FleetConfig
     from deploy.modal_app import ModalPlan
 
 MODAL_SETUP_HINT = (
@@ -114,7 +114,7 @@ def deploy_modal(
     ),
 ) -> None:
     """Render the fleet's Modal plan and deploy it (control plane + one class per pool)."""
-    from deploy.fleet import FleetConfigError, load_fleet
+    from deploy.fleet_config import FleetConfigError, load_fleet
     from deploy.modal_app import FLEET_ENV, MIGRATE_FUNCTION, build_plan, run_migration
 
     try:

@@ -19,7 +19,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from controlplane.errors import Forbidden, Unauthorized
-from controlplane.models import Token
+from controlplane.models import TokenRow
 from wire import Role
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,9 @@ def new_token_text() -> str:
 
 def store_token(sessions: sessionmaker[Session], role: Role, name: str, text: str) -> int:
     with sessions.begin() as db:
-        row = Token(token_hash=hash_token(text), role=role.value, name=name, created_at=time.time())
+        row = TokenRow(
+            token_hash=hash_token(text), role=role.value, name=name, created_at=time.time()
+        )
         db.add(row)
         db.flush()
         return row.token_id
@@ -63,10 +65,12 @@ def ensure_admin_token(sessions: sessionmaker[Session], configured: str | None) 
     """On a database without an admin token, create one. Return its text only when it was
     generated here (the caller prints it once); None when configured or already present."""
     with sessions() as db:
-        admins = db.scalar(select(func.count()).select_from(Token).where(Token.role == "admin"))
+        admins = db.scalar(
+            select(func.count()).select_from(TokenRow).where(TokenRow.role == "admin")
+        )
         if configured:
             known = db.scalar(
-                select(Token.token_id).where(Token.token_hash == hash_token(configured))
+                select(TokenRow.token_id).where(TokenRow.token_hash == hash_token(configured))
             )
             if known is None:
                 try:
@@ -122,7 +126,7 @@ class TokenChecker:
     def lookup(self, digest: str) -> Role | None:
         """Read the token's role from the database and cache it briefly."""
         with self._sessions() as db:
-            value = db.scalar(select(Token.role).where(Token.token_hash == digest))
+            value = db.scalar(select(TokenRow.role).where(TokenRow.token_hash == digest))
         role = Role(value) if value is not None else None
         if len(self._cache) > 10_000:
             self._cache.clear()

@@ -17,7 +17,7 @@ class Base(DeclarativeBase):
     pass
 
 
-class Run(Base):
+class RunRow(Base):
     __tablename__ = "runs"
 
     run_id: Mapped[str] = mapped_column(String(128), primary_key=True)
@@ -30,7 +30,7 @@ class Run(Base):
     created_at: Mapped[float] = mapped_column(Float)
 
 
-class Version(Base):
+class VersionRow(Base):
     __tablename__ = "versions"
 
     run_id: Mapped[str] = mapped_column(
@@ -41,7 +41,7 @@ class Version(Base):
     published_at: Mapped[float] = mapped_column(Float)
 
 
-class Engine(Base):
+class EngineRow(Base):
     __tablename__ = "engines"
     __table_args__ = (Index("ix_engines_lease", "lease_expires_at"),)
 
@@ -65,7 +65,7 @@ class Engine(Base):
     lease_expires_at: Mapped[float] = mapped_column(Float)
 
 
-class Pin(Base):
+class PinRow(Base):
     """Exact-version demand: the last time a request asked for exactly `version`."""
 
     __tablename__ = "pins"
@@ -75,7 +75,7 @@ class Pin(Base):
     last_requested_at: Mapped[float] = mapped_column(Float)
 
 
-class Token(Base):
+class TokenRow(Base):
     __tablename__ = "tokens"
 
     token_id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)

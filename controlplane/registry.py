@@ -30,11 +30,11 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from controlplane.db import rows_affected
 from controlplane.errors import EngineUnknown, RunUnknown
-from controlplane.models import Engine, Pin, Run
+from controlplane.models import EngineRow, PinRow, RunRow
 from controlplane.snapshot import EngineView
 from wire import EngineRegister, Heartbeat, Precision, SyncState
 
-_ENGINES = cast(Table, Engine.__table__)
+_ENGINES = cast(Table, EngineRow.__table__)
 # A new staging target restarts the clock the Retry-After estimate is based on.
 _HEARTBEAT = (
     update(_ENGINES)
@@ -119,13 +119,13 @@ class Registry:
         now = time.time()
         engine_id = uuid.uuid4().hex
         with self._sessions.begin() as db:
-            if db.get(Run, body.run_id) is None:
+            if db.get(RunRow, body.run_id) is None:
                 raise RunUnknown(
                     f"run {body.run_id!r} does not exist: create it first (POST /v1/runs)",
                     field="body.run_id",
                 )
             db.add(
-                Engine(
+                EngineRow(
                     engine_id=engine_id,
                     run_id=body.run_id,
                     url=body.url.rstrip("/"),
@@ -232,7 +232,7 @@ class Registry:
 
     def deregister(self, engine_id: str) -> None:
         with self._sessions.begin() as db:
-            deleted = db.execute(delete(Engine).where(Engine.engine_id == engine_id))
+            deleted = db.execute(delete(EngineRow).where(EngineRow.engine_id == engine_id))
             if rows_affected(deleted) == 0:
                 raise EngineUnknown(f"engine {engine_id!r} is not registered")
 
@@ -241,23 +241,23 @@ class Registry:
         with self._sessions() as db:
             rows = db.execute(
                 select(
-                    Engine.engine_id,
-                    Engine.run_id,
-                    Engine.url,
-                    Engine.precision,
-                    Engine.capacity,
-                    Engine.applied_version,
-                    Engine.sync_state,
-                    Engine.in_flight,
-                    Engine.staging_target,
-                    Engine.staging_progress,
-                    Engine.staging_started_at,
-                    Engine.lease_expires_at,
-                    Engine.accelerator,
-                    Engine.labels,
-                    Engine.last_error,
-                    Engine.engine_kind,
-                ).where(Engine.lease_expires_at > now)
+                    EngineRow.engine_id,
+                    EngineRow.run_id,
+                    EngineRow.url,
+                    EngineRow.precision,
+                    EngineRow.capacity,
+                    EngineRow.applied_version,
+                    EngineRow.sync_state,
+                    EngineRow.in_flight,
+                    EngineRow.staging_target,
+                    EngineRow.staging_progress,
+                    EngineRow.staging_started_at,
+                    EngineRow.lease_expires_at,
+                    EngineRow.accelerator,
+                    EngineRow.labels,
+                    EngineRow.last_error,
+                    EngineRow.engine_kind,
+                ).where(EngineRow.lease_expires_at > now)
             ).all()
         return [
             EngineView(
@@ -281,19 +281,21 @@ class Registry:
             for r in rows
         ]
 
-    def rows(self, engine_id: str | None = None) -> list[Engine]:
+    def rows(self, engine_id: str | None = None) -> list[EngineRow]:
         """Full rows of leased engines (for listings), optionally just one."""
-        stmt = select(Engine).where(Engine.lease_expires_at > time.time())
+        stmt = select(EngineRow).where(EngineRow.lease_expires_at > time.time())
         if engine_id is not None:
-            stmt = stmt.where(Engine.engine_id == engine_id)
+            stmt = stmt.where(EngineRow.engine_id == engine_id)
         with self._sessions() as db:
-            return list(db.scalars(stmt.order_by(Engine.run_id, Engine.engine_id)))
+            return list(db.scalars(stmt.order_by(EngineRow.run_id, EngineRow.engine_id)))
 
     def reap(self, grace_s: float) -> int:
         """Delete engines whose lease lapsed more than `grace_s` ago."""
         with self._sessions.begin() as db:
             cut = time.time() - grace_s
-            return rows_affected(db.execute(delete(Engine).where(Engine.lease_expires_at < cut)))
+            return rows_affected(
+                db.execute(delete(EngineRow).where(EngineRow.lease_expires_at < cut))
+            )
 
     def record_demand(self, demand: Mapping[tuple[str, int], float]) -> None:
         """Upsert the last time exact-version requests asked for each (run, version)."""
@@ -301,15 +303,15 @@ class Registry:
             return
         with self._sessions.begin() as db:
             for (run_id, version), at in demand.items():
-                pin = db.get(Pin, (run_id, version))
+                pin = db.get(PinRow, (run_id, version))
                 if pin is None:
-                    db.add(Pin(run_id=run_id, version=version, last_requested_at=at))
+                    db.add(PinRow(run_id=run_id, version=version, last_requested_at=at))
                 elif pin.last_requested_at < at:
                     pin.last_requested_at = at
 
     def demand(self, since: float) -> dict[str, dict[int, float]]:
         with self._sessions() as db:
-            rows = db.execute(select(Pin).where(Pin.last_requested_at >= since)).scalars()
+            rows = db.execute(select(PinRow).where(PinRow.last_requested_at >= since)).scalars()
             out: dict[str, dict[int, float]] = {}
             for pin in rows:
                 out.setdefault(pin.run_id, {})[pin.version] = pin.last_requested_at

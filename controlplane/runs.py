@@ -15,13 +15,13 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from controlplane.db import rows_affected
 from controlplane.errors import RunExists, RunUnknown
-from controlplane.models import Run, Version
+from controlplane.models import RunRow, VersionRow
 from controlplane.snapshot import RunView
 from store.types import VersionKind
 from wire import RunCreate, RunInfo, TargetPolicy, VersionInfo
 
 
-def run_info(run: Run) -> RunInfo:
+def run_info(run: RunRow) -> RunInfo:
     return RunInfo(
         run_id=run.run_id,
         store_url=run.store_url,
@@ -34,7 +34,7 @@ def run_info(run: Run) -> RunInfo:
     )
 
 
-def version_info(row: Version) -> VersionInfo:
+def version_info(row: VersionRow) -> VersionInfo:
     return VersionInfo(
         run_id=row.run_id,
         version=row.version,
@@ -49,7 +49,7 @@ class Runs:
         self.default_store = default_store
 
     def create(self, body: RunCreate) -> RunInfo:
-        run = Run(
+        run = RunRow(
             run_id=body.run_id,
             store_url=body.store_url or self.default_store,
             base_checkpoint=body.base_checkpoint,
@@ -71,21 +71,24 @@ class Runs:
 
     def get(self, run_id: str) -> RunInfo:
         with self._sessions() as db:
-            run = db.get(Run, run_id)
+            run = db.get(RunRow, run_id)
             if run is None:
                 raise RunUnknown(f"run {run_id!r} does not exist (list runs: GET /v1/runs)")
             return run_info(run)
 
     def all(self) -> list[RunInfo]:
         with self._sessions() as db:
-            return [run_info(r) for r in db.scalars(select(Run).order_by(Run.created_at))]
+            return [run_info(r) for r in db.scalars(select(RunRow).order_by(RunRow.created_at))]
 
     def views(self) -> list[RunView]:
         with self._sessions() as db:
             rows = db.execute(
-                select(Run.run_id, Run.latest_version, Run.policy, Version.published_at).join(
-                    Version,
-                    (Version.run_id == Run.run_id) & (Version.version == Run.latest_version),
+                select(
+                    RunRow.run_id, RunRow.latest_version, RunRow.policy, VersionRow.published_at
+                ).join(
+                    VersionRow,
+                    (VersionRow.run_id == RunRow.run_id)
+                    & (VersionRow.version == RunRow.latest_version),
                     isouter=True,
                 )
             ).all()
@@ -94,8 +97,8 @@ class Runs:
     def set_policy(self, run_id: str, policy: TargetPolicy) -> RunInfo:
         with self._sessions.begin() as db:
             stmt = (
-                update(Run)
-                .where(Run.run_id == run_id)
+                update(RunRow)
+                .where(RunRow.run_id == run_id)
                 .values(policy=policy.model_dump(mode="json"))
             )
             if rows_affected(db.execute(stmt)) == 0:
@@ -109,10 +112,10 @@ class Runs:
         now = time.time()
         with self._sessions.begin() as db:
             for v, k in {pointer_version: None, version: kind}.items():
-                row = db.get(Version, (run_id, v))
+                row = db.get(VersionRow, (run_id, v))
                 if row is None:
                     db.add(
-                        Version(
+                        VersionRow(
                             run_id=run_id, version=v, kind=k.value if k else None, published_at=now
                         )
                     )
@@ -120,31 +123,31 @@ class Runs:
                     row.kind = k.value
             db.flush()
             db.execute(
-                update(Run)
+                update(RunRow)
                 .where(
-                    Run.run_id == run_id,
-                    or_(Run.latest_version.is_(None), Run.latest_version < pointer_version),
+                    RunRow.run_id == run_id,
+                    or_(RunRow.latest_version.is_(None), RunRow.latest_version < pointer_version),
                 )
                 .values(latest_version=pointer_version)
             )
-            row = db.get(Version, (run_id, version))
+            row = db.get(VersionRow, (run_id, version))
             assert row is not None
             return version_info(row)
 
     def versions(self, run_id: str, after: int | None = None) -> list[VersionInfo]:
         self.get(run_id)
-        stmt = select(Version).where(Version.run_id == run_id)
+        stmt = select(VersionRow).where(VersionRow.run_id == run_id)
         if after is not None:
-            stmt = stmt.where(Version.version > after)
+            stmt = stmt.where(VersionRow.version > after)
         with self._sessions() as db:
-            return [version_info(v) for v in db.scalars(stmt.order_by(Version.version))]
+            return [version_info(v) for v in db.scalars(stmt.order_by(VersionRow.version))]
 
     def latest(self, run_id: str) -> VersionInfo | None:
         with self._sessions() as db:
             row = db.scalars(
-                select(Version)
-                .where(Version.run_id == run_id)
-                .order_by(Version.version.desc())
+                select(VersionRow)
+                .where(VersionRow.run_id == run_id)
+                .order_by(VersionRow.version.desc())
                 .limit(1)
             ).first()
             return version_info(row) if row else None

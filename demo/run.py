@@ -21,9 +21,9 @@ from typing import Any
 
 from rich.console import Console
 
-from demo.fleet import (
-    ControlPlane,
+from demo.local_fleet import (
     EngineWithAgent,
+    LocalControlPlane,
     prepare_models,
     start_controlplane,
     start_engines,
@@ -59,14 +59,16 @@ class PauseCounter:
         return count, seconds
 
 
-def fleet_versions(cp: ControlPlane, run_id: str) -> dict[str, int | None]:
+def fleet_versions(cp: LocalControlPlane, run_id: str) -> dict[str, int | None]:
     """Applied version per engine, keyed `precision@engine_id`."""
     return {
         f"{e['precision']}@{e['engine_id'][:8]}": e["applied_version"] for e in cp.engines(run_id)
     }
 
 
-def wait_converged(cp: ControlPlane, run_id: str, version: int, engines: int) -> dict[str, Any]:
+def wait_converged(
+    cp: LocalControlPlane, run_id: str, version: int, engines: int
+) -> dict[str, Any]:
     """Until every engine serves `version` (or the deadline); the last view of the fleet."""
     end = time.monotonic() + CONVERGE_DEADLINE_S
     while True:
@@ -137,7 +139,7 @@ async def sample_batch(
 
 async def train(
     settings: DemoSettings,
-    cp: ControlPlane,
+    cp: LocalControlPlane,
     fleet: list[EngineWithAgent],
     publisher: Any,
     learner: Any,

@@ -93,7 +93,7 @@ class Outcome:
 
 
 @dataclass
-class Engine:
+class ReplicaUnderCheck:
     """One precision's SGLang + agent pair and what its clients saw."""
 
     precision: str
@@ -261,7 +261,7 @@ def engine_argv(
     return argv
 
 
-def start_engine(group: Any, engine: Engine, kind: str) -> None:
+def start_engine(group: Any, engine: ReplicaUnderCheck, kind: str) -> None:
     engine.sglang = group.start(
         f"{kind}-{engine.precision}",
         engine_argv(engine.spec, kind),
@@ -270,13 +270,13 @@ def start_engine(group: Any, engine: Engine, kind: str) -> None:
     )
 
 
-def start_agent(group: Any, engine: Engine) -> None:
+def start_agent(group: Any, engine: ReplicaUnderCheck) -> None:
     argv = [sys.executable, "-m", "cli", *agent_argv(engine.spec)[1:]]
     engine.agent = group.start(f"agent-{engine.precision}", argv, url=engine.agent_url)
     engine.agent.wait_http("/health", ENGINE_START_S)
 
 
-def server_info(engine: Engine) -> dict[str, Any]:
+def server_info(engine: ReplicaUnderCheck) -> dict[str, Any]:
     import httpx
 
     return httpx.get(f"{engine.agent_url}/server_info", timeout=10).json()
@@ -301,7 +301,7 @@ def generate(url: str, input_ids: list[int], max_new_tokens: int, greedy: bool) 
     return reply.json()
 
 
-def client_loop(engine: Engine, stop: threading.Event, tokens: int, seed: int) -> None:
+def client_loop(engine: ReplicaUnderCheck, stop: threading.Event, tokens: int, seed: int) -> None:
     """Generate continuously through the agent, recording every outcome."""
     prompt = PROMPTS[seed % len(PROMPTS)]
     while not stop.is_set():
@@ -322,7 +322,7 @@ def client_loop(engine: Engine, stop: threading.Event, tokens: int, seed: int) -
         )
 
 
-def probe_loop(engine: Engine, stop: threading.Event) -> None:
+def probe_loop(engine: ReplicaUnderCheck, stop: threading.Event) -> None:
     """One-token requests back to back: their longest latency bounds the pause from outside."""
     while not stop.is_set():
         started = time.time()
@@ -349,11 +349,11 @@ def wait_for(predicate: Any, timeout_s: float) -> bool:
         return False
 
 
-def finished_on(engine: Engine, version: int, since: float) -> bool:
+def finished_on(engine: ReplicaUnderCheck, version: int, since: float) -> bool:
     return any(o.ok and o.start_version == version and o.ended >= since for o in engine.outcomes)
 
 
-def wait_applied(engine: Engine, version: int) -> float | None:
+def wait_applied(engine: ReplicaUnderCheck, version: int) -> float | None:
     started = time.monotonic()
     while time.monotonic() - started < CATCH_UP_S:
         info = server_info(engine)
@@ -365,7 +365,7 @@ def wait_applied(engine: Engine, version: int) -> float | None:
     return None
 
 
-def version_checks(engine: Engine, version: int, published_at: float) -> list[Check]:
+def version_checks(engine: ReplicaUnderCheck, version: int, published_at: float) -> list[Check]:
     import httpx
 
     tag = f"[{engine.precision}] v{version}"
@@ -484,7 +484,9 @@ def run_check(work: Path, sglang_spec: str, cuda_graph: bool, kind: str = "sglan
     store_url = f"file://{work}/store"
     publisher = Publisher(store_url, RUN_ID, progress=False)
     publisher.claim(0, work / "base")
-    engines = [Engine(p, replica_spec(work, p, cuda_graph, store_url)) for p in precisions]
+    engines = [
+        ReplicaUnderCheck(p, replica_spec(work, p, cuda_graph, store_url)) for p in precisions
+    ]
     stop = threading.Event()
     threads: list[threading.Thread] = []
     # The group stops every child on the way out, on success, error or Ctrl-C.

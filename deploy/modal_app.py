@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from deploy.fleet import FleetConfig, PoolConfig, load_fleet
+from deploy.fleet_config import FleetConfig, PoolConfig, load_fleet
 from deploy.replica import SGLANG_ENV, ReplicaSpec, agent_argv, convert_argv, sglang_argv
 
 if TYPE_CHECKING:

@@ -25,6 +25,14 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception_type,
+    stop_never,
+    wait_exponential,
+)
+
 from engine_agent.engines.base import Engine, PauseMode
 from engine_agent.errors import (
     EngineRefused,
@@ -114,32 +122,38 @@ class Reconciler:
     # ---- loop ----------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Reconcile until cancelled; raise `UnrecoverableEngineError` if a commit fails."""
-        backoff = self.retry_initial_s
+        """Reconcile until cancelled; raise `UnrecoverableEngineError` if a commit fails.
+
+        A failed pass is retried with exponential backoff (`retry_initial_s` doubling up to
+        `retry_max_s`); a pass that succeeds resets it."""
+        retrying = AsyncRetrying(
+            retry=retry_if_exception_type((StageFailed, StoreError, EngineUnreachable, OSError)),
+            wait=wait_exponential(multiplier=self.retry_initial_s, max=self.retry_max_s),
+            before_sleep=self._failed_pass,
+            stop=stop_never,
+        )
         while True:
-            try:
-                await self.reconcile_once()
-                backoff = self.retry_initial_s
-            except (StageFailed, StoreError, EngineUnreachable, OSError) as exc:
-                self.status.last_error = f"{type(exc).__name__}: {exc}"
-                self.status.staging_target = None
-                self.status.staging_progress = 0.0
-                log.warning(
-                    "run %s: reconcile pass failed (retry in %.1fs): %s",
-                    self.run_id,
-                    backoff,
-                    self.status.last_error,
-                )
-                await self._changed()
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, self.retry_max_s)
-                continue
+            await retrying(self.reconcile_once)
             try:
                 async with asyncio.timeout(self.poll_s):
                     await self._wake.wait()
             except TimeoutError:
                 pass
             self._wake.clear()
+
+    async def _failed_pass(self, state: RetryCallState) -> None:
+        """Record a failed pass in the status before the backoff sleep."""
+        failure = state.outcome.exception() if state.outcome is not None else None
+        self.status.last_error = f"{type(failure).__name__}: {failure}"
+        self.status.staging_target = None
+        self.status.staging_progress = 0.0
+        log.warning(
+            "run %s: reconcile pass failed (retry in %.1fs): %s",
+            self.run_id,
+            state.next_action.sleep if state.next_action is not None else 0.0,
+            self.status.last_error,
+        )
+        await self._changed()
 
     async def reconcile_once(self) -> bool:
         """One pass; True if it committed a new version."""

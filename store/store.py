@@ -54,7 +54,7 @@ from store.manifest import INDEX_FILENAME, Manifest
 from store.objects import ObjectStore, open_objects
 from store.pointer import READ_NOW, Expected, Pointer
 from store.retention import GcReport, versions_to_keep
-from store.run_info import RunInfo
+from store.run_metadata import RunMetadata
 from store.safetensors_io import load as load_safetensors
 from store.tensors import RawTensor
 from store.types import (
@@ -94,7 +94,7 @@ class WriteReceipt:
 
 
 @dataclass(frozen=True)
-class VersionInfo:
+class StoredVersion:
     """One version folder as listed: its manifest (None if the index is missing) and files."""
 
     ref: VersionRef
@@ -171,12 +171,12 @@ class Store:
         boot_version: int = 0,
         base_checkpoint: str | None = None,
         canonical_dtype: str = "BF16",
-    ) -> RunInfo:
+    ) -> RunMetadata:
         """Create `<run_id>/run.json`; return the run (the existing one if identical).
 
         Raise `AlreadyExists` if the run exists with different metadata.
         """
-        info = RunInfo(
+        info = RunMetadata(
             run_id=run_id,
             boot_version=boot_version,
             base_checkpoint=base_checkpoint,
@@ -197,18 +197,18 @@ class Store:
             )
         return existing
 
-    def read_run(self, run_id: str) -> RunInfo:
+    def read_run(self, run_id: str) -> RunMetadata:
         """The run's metadata. A run written by Stitch (no run.json) gets the defaults.
 
         Raise `VersionNotFound` if the store holds nothing of the run.
         """
         try:
-            return RunInfo.from_json(self.objects.get(run_key(run_id)))
+            return RunMetadata.from_json(self.objects.get(run_key(run_id)))
         except FileNotFoundError:
             pass
         listing = self.objects.list(f"{validate_run_id(run_id)}/")
         if listing.dirs or listing.files:
-            return RunInfo(run_id=run_id)
+            return RunMetadata(run_id=run_id)
         known = ", ".join(self.list_runs()[:10]) or "none"
         raise VersionNotFound(
             f"run {run_id!r} does not exist in {self.url} (runs: {known}); "
@@ -253,7 +253,7 @@ class Store:
         """The run's complete versions (index and every shard present), ascending."""
         return [info.ref.version for info in self.version_infos(run_id) if info.complete]
 
-    def version_infos(self, run_id: str) -> list[VersionInfo]:
+    def version_infos(self, run_id: str) -> list[StoredVersion]:
         """Every version folder of the run, complete or not, ascending."""
         infos = []
         for name in self.objects.list(updates_prefix(run_id)).dirs:
@@ -266,7 +266,7 @@ class Store:
                 infos.append(info)
         return sorted(infos, key=lambda info: info.ref.version)
 
-    def _version_info(self, ref: VersionRef) -> VersionInfo:
+    def _version_info(self, ref: VersionRef) -> StoredVersion:
         sizes = dict(self.objects.list(version_prefix(ref)).files)
         manifest = None
         complete = False
@@ -283,7 +283,7 @@ class Store:
                 complete = manifest.version == ref.version and all(
                     shard in sizes for shard in manifest.shard_files()
                 )
-        return VersionInfo(ref=ref, manifest=manifest, sizes=sizes, complete=complete)
+        return StoredVersion(ref=ref, manifest=manifest, sizes=sizes, complete=complete)
 
     def read_manifest(self, ref: VersionRef) -> Manifest:
         """The version's parsed index; `VersionNotFound` if it has none."""
@@ -342,7 +342,7 @@ class Store:
         return self._write_checked(ref, files, manifest, self.read_run(ref.run_id))
 
     def _write_checked(
-        self, ref: VersionRef, files: Mapping[str, bytes], manifest: Manifest, run: RunInfo
+        self, ref: VersionRef, files: Mapping[str, bytes], manifest: Manifest, run: RunMetadata
     ) -> WriteReceipt:
         if ref.version < run.boot_version:
             raise InvalidVersion(

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import sys
 import time
 from collections.abc import Iterator, Mapping
@@ -37,6 +36,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
+from tenacity import (
+    RetryCallState,
+    RetryError,
+    Retrying,
+    retry_if_exception,
+    stop_after_attempt,
+    wait_random_exponential,
+)
 
 from store.anchor import AnchorPolicy
 from store.codecs import DEFAULT_SHARD_BYTES, Progress
@@ -51,7 +58,7 @@ from store.errors import (
     TensorMismatch,
     VersionNotFound,
 )
-from store.run_info import RunInfo
+from store.run_metadata import RunMetadata
 from store.store import Store
 from store.tensors import RawTensor
 from store.types import VersionKind, VersionRef, validate_run_id, validate_version
@@ -209,7 +216,7 @@ class Publisher:
                 base_url=control_plane.rstrip("/"), headers=auth_headers(token), timeout=30.0
             )
             self.notifier = VersionNotifier(self._client, self.run_id)
-        self._run: RunInfo | None = None
+        self._run: RunMetadata | None = None
 
     def __enter__(self) -> Publisher:
         return self
@@ -270,7 +277,7 @@ class Publisher:
             )
         return self._publish(self._as_weights(base_checkpoint), boot_version, first=True)
 
-    def _create_at_control_plane(self, run: RunInfo) -> None:
+    def _create_at_control_plane(self, run: RunMetadata) -> None:
         if self._client is None:
             return
         body = {
@@ -412,37 +419,49 @@ class Publisher:
     def _upload(
         self, ref: VersionRef, files: Mapping[str, bytes], expected: VersionRef | None
     ) -> int:
-        """`Store.publish` with retries on transient errors; the bytes written."""
-        for attempt in range(1, self.upload_attempts + 1):
+        """`Store.publish`, retried with exponential backoff and full jitter on transient
+        errors (`StorageUnavailable`, a bad read-back); the bytes written."""
+        attempts = 0
+
+        def publish_once() -> int:
+            nonlocal attempts
+            attempts += 1
             try:
                 return self.store.publish(ref, files, expected=expected).bytes_written
             except PointerConflict:
                 # A retry after a lost answer may find its own earlier attempt at the pointer.
-                if attempt > 1 and self.store.read_pointer(self.run_id) == ref:
+                if attempts > 1 and self.store.read_pointer(self.run_id) == ref:
                     return sum(len(data) for data in files.values())
                 raise
-            except Exception as exc:
-                if not _is_transient(exc):
-                    raise
-                if attempt == self.upload_attempts:
-                    raise UploadFailed(
-                        f"upload of {ref} failed after {attempt} attempts "
-                        f"(last: {type(exc).__name__}: {exc}); the pointer was not seen "
-                        f"to move. Check that the store at {self.store.url} is reachable, "
-                        "then publish again"
-                    ) from exc
-                delay = min(8.0, 0.25 * 2 ** (attempt - 1)) * (0.5 + random.random())
-                log.warning(
-                    "upload of %s failed (%s: %s); retry %d/%d in %.2fs",
-                    ref,
-                    type(exc).__name__,
-                    exc,
-                    attempt,
-                    self.upload_attempts - 1,
-                    delay,
-                )
-                time.sleep(delay)  # backoff between retries of a failed upload
-        raise AssertionError("unreachable: the last attempt returns or raises")
+
+        def log_retry(state: RetryCallState) -> None:
+            failure = state.outcome.exception() if state.outcome is not None else None
+            log.warning(
+                "upload of %s failed (%s: %s); retry %d/%d in %.2fs",
+                ref,
+                type(failure).__name__,
+                failure,
+                state.attempt_number,
+                self.upload_attempts - 1,
+                state.next_action.sleep if state.next_action is not None else 0.0,
+            )
+
+        retrying = Retrying(
+            retry=retry_if_exception(_is_transient),
+            stop=stop_after_attempt(self.upload_attempts),
+            wait=wait_random_exponential(multiplier=0.25, max=8.0),
+            before_sleep=log_retry,
+        )
+        try:
+            return retrying(publish_once)
+        except RetryError as exhausted:
+            last = exhausted.last_attempt.exception()
+            raise UploadFailed(
+                f"upload of {ref} failed after {attempts} attempts "
+                f"(last: {type(last).__name__}: {last}); the pointer was not seen "
+                f"to move. Check that the store at {self.store.url} is reachable, "
+                "then publish again"
+            ) from last
 
     @contextmanager
     def _progress(self) -> Iterator[Progress]:

@@ -35,7 +35,7 @@ class PauseMode(StrEnum):
 
 
 @dataclass(frozen=True)
-class EngineInfo:
+class ModelInfo:
     """What the engine says it serves (`/model_info`)."""
 
     model_path: str
@@ -108,7 +108,7 @@ class Engine(ABC):
         (called once at agent start, after the engine first answers)."""
 
     @abstractmethod
-    async def info(self) -> EngineInfo:
+    async def info(self) -> ModelInfo:
         """The served model path and weight-version label; cheap, answers while paused."""
 
     @abstractmethod

@@ -19,8 +19,8 @@ import httpx
 
 from engine_agent.engines.base import (
     Dialect,
-    EngineInfo,
     EngineRequest,
+    ModelInfo,
     PauseMode,
     UpdateResult,
     namespace_key,
@@ -84,7 +84,7 @@ class SGLangEngine(HTTPEngine):
         # server that answers `/model_info` serves the agent.
         return None
 
-    async def info(self) -> EngineInfo:
+    async def info(self) -> ModelInfo:
         # `/model_info` is the route; `/get_model_info` is its deprecated alias and the only
         # name on older builds, so a 404 falls back to it once and for all.
         # (`/get_weight_version` and `/weight_version` never answer with a version.)
@@ -96,7 +96,7 @@ class SGLangEngine(HTTPEngine):
             self._info_path = "/get_model_info"
             reply = await self._call("GET", self._info_path)
         body = reply.json()
-        return EngineInfo(
+        return ModelInfo(
             model_path=str(body.get("model_path") or ""),
             weight_version=str(body.get("weight_version") or ""),
         )

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 
-from engine_agent.engines.base import EngineInfo, PauseMode, UpdateResult
+from engine_agent.engines.base import ModelInfo, PauseMode, UpdateResult
 from engine_agent.engines.http import HTTPEngine
 from engine_agent.engines.vllm_dialect import TOKEN_ROUTE, VLLMDialect
 from engine_agent.errors import EngineIncompatible, EngineRefused
@@ -88,12 +88,12 @@ class VLLMEngine(HTTPEngine):
                 "(`tether engine vllm` passes it)"
             )
 
-    async def info(self) -> EngineInfo:
+    async def info(self) -> ModelInfo:
         label = (await self._call("GET", "/weight_info")).json().get("weight_version")
         if not self._model_path:
             models = (await self._call("GET", "/v1/models")).json().get("data") or [{}]
             self._model_path = str(models[0].get("root") or models[0].get("id") or "")
-        return EngineInfo(model_path=self._model_path, weight_version=str(label or ""))
+        return ModelInfo(model_path=self._model_path, weight_version=str(label or ""))
 
     async def pause(self, mode: PauseMode) -> None:
         vllm_mode, clear = _VLLM_PAUSE[mode]

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from demo.fleet import start_controlplane as start_demo_controlplane
+from demo.local_fleet import start_controlplane as start_demo_controlplane
 from launcher.processes import ProcessGroup
 from tests.controlplane.conftest import publish
 from tests.dashboard.browser import browser_page, chromium_path, screenshot

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from demo.fleet import ControlPlane
-from demo.fleet import start_controlplane as start_demo_controlplane
+from demo.local_fleet import LocalControlPlane
+from demo.local_fleet import start_controlplane as start_demo_controlplane
 from launcher.processes import ProcessGroup, free_port, wait_until
 from tests.controlplane.conftest import publish
 from tests.fixtures.processes import ROOT, TETHER
@@ -22,7 +22,7 @@ RUN = "cli-run"
 
 @dataclass
 class Plane:
-    cp: ControlPlane
+    cp: LocalControlPlane
     engines: dict[str, str]  # precision -> engine id
 
     def tether(self, *args: str, token: str | None = None) -> subprocess.CompletedProcess:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy.fleet import (
+from deploy.fleet_config import (
     DEFAULT_PRECISION_TABLE,
     DEFAULT_SGLANG_FLAGS,
     DEFAULT_SGLANG_IMAGE,

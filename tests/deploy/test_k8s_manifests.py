@@ -19,7 +19,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from deploy.fleet import DEFAULT_SGLANG_FLAGS
+from deploy.fleet_config import DEFAULT_SGLANG_FLAGS
 from tests.fixtures.real_cli import parse_tether
 
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"

@@ -19,7 +19,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cli import app as tether_app
-from deploy.fleet import DEFAULT_SGLANG_FLAGS, load_fleet, parse_fleet
+from deploy.fleet_config import DEFAULT_SGLANG_FLAGS, load_fleet, parse_fleet
 from deploy.modal_app import (
     CONTROL_PLANE_SLOT,
     REPLICA_URL_SLOT,

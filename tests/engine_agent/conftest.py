@@ -130,7 +130,7 @@ class ControlPlaneProcess:
 def start_controlplane(root: Path) -> ControlPlaneProcess:
     """`tether controlplane serve` on SQLite, as the demo starts it, with short leases and
     no token cache, and a token per role."""
-    from demo.fleet import start_controlplane as start_demo_controlplane
+    from demo.local_fleet import start_controlplane as start_demo_controlplane
 
     env = {"TETHER_LEASE_SECONDS": "5", "TETHER_TOKEN_CACHE_S": "0"}
     cp = start_demo_controlplane(

@@ -227,7 +227,7 @@ def test_a_hugging_face_folder_publishes_like_its_state_dict(tmp_path: Path) -> 
 def test_the_control_plane_hears_of_every_version_even_after_being_down(tmp_path: Path) -> None:
     import httpx
 
-    from demo.fleet import start_controlplane
+    from demo.local_fleet import start_controlplane
     from launcher.processes import ProcessGroup
 
     store = str(tmp_path / "store")

@@ -13,7 +13,7 @@ import httpx
 import pytest
 import torch
 
-from demo.fleet import ControlPlane, start_controlplane
+from demo.local_fleet import LocalControlPlane, start_controlplane
 from launcher.processes import ManagedProcess, ProcessGroup, free_port
 from store.types import VersionConstraint
 from trainer_client.publisher import Publisher
@@ -33,7 +33,7 @@ DEADLINE_S = 30.0
 
 @dataclass
 class Fleet:
-    cp: ControlPlane
+    cp: LocalControlPlane
     publisher: Publisher
     engines: dict[str, ManagedProcess]  # precision -> stand-in
 

@@ -45,7 +45,7 @@ def prepare_models(root: Path, precisions: set[str], seed: int) -> dict[str, Pat
 
 
 @dataclass
-class ControlPlane:
+class LocalControlPlane:
     """A running control plane and a token for each role."""
 
     url: str
@@ -84,7 +84,7 @@ class EngineWithAgent:
 
 def start_controlplane(
     group: ProcessGroup, db_url: str, store_url: str, env: Mapping[str, str] | None = None
-) -> ControlPlane:
+) -> LocalControlPlane:
     """`tether controlplane serve` with fast snapshots, then one token per role.
 
     `env` overrides the control plane's settings (e.g. shorter leases for tests)."""
@@ -107,7 +107,7 @@ def start_controlplane(
         url=f"http://127.0.0.1:{port}",
     )  # fmt: skip
     process.wait_http("/readyz", deadline_s=60.0)
-    cp = ControlPlane(process.url or "", process, {"admin": admin})
+    cp = LocalControlPlane(process.url or "", process, {"admin": admin})
     for role in ROLES:
         response = httpx.post(
             cp.url + "/v1/tokens",
@@ -125,7 +125,7 @@ def start_engines(
     group: ProcessGroup,
     settings: DemoSettings,
     models: dict[str, Path],
-    cp: ControlPlane,
+    cp: LocalControlPlane,
     run_id: str,
     store_url: str,
     workdir: Path,

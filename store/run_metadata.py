@@ -14,7 +14,7 @@ from store.types import validate_run_id, validate_version
 
 
 @dataclass(frozen=True)
-class RunInfo:
+class RunMetadata:
     """What a run starts from: version numbers begin at `boot_version` and go up."""
 
     run_id: str
@@ -27,7 +27,7 @@ class RunInfo:
         validate_run_id(self.run_id)
         validate_version(self.boot_version, "boot_version")
 
-    def same_request(self, other: RunInfo) -> bool:
+    def same_request(self, other: RunMetadata) -> bool:
         """True if both describe the same run (the creation time aside)."""
         return (self.run_id, self.boot_version, self.base_checkpoint, self.canonical_dtype) == (
             other.run_id,
@@ -40,7 +40,7 @@ class RunInfo:
         return json.dumps(asdict(self), indent=2, sort_keys=True).encode() + b"\n"
 
     @classmethod
-    def from_json(cls, data: bytes) -> RunInfo:
+    def from_json(cls, data: bytes) -> RunMetadata:
         try:
             raw = json.loads(data)
             return cls(
