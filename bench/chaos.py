@@ -654,8 +654,9 @@ def staging_disk_full(chaos: Chaos) -> None:
 
     fleet = chaos.fleet
     member = fleet.members[0]
-    assert member.agent is not None
-    agent = psutil.Process(member.agent.process.pid)
+    agent_process = member.agent
+    assert agent_process is not None
+    agent = psutil.Process(agent_process.process.pid)
     unlimited = agent.rlimit(resource.RLIMIT_FSIZE)
     agent.rlimit(resource.RLIMIT_FSIZE, (64 * 1024, unlimited[1]))
     try:
@@ -663,14 +664,14 @@ def staging_disk_full(chaos: Chaos) -> None:
 
         def refused() -> bool:
             info = fleet.server_info(member) or {}
-            return bool(info.get("last_error")) or not member.agent.alive()
+            return bool(info.get("last_error")) or not agent_process.alive()
 
         wait_until(refused, 60, f"the agent to fail staging v{version}", 0.1)
-        if not member.agent.alive():
+        if not agent_process.alive():
             raise AssertionError(f"the agent exited when staging v{version} did not fit")
         chaos.hold(5)
     finally:
-        if member.agent.alive():
+        if agent_process.alive():
             agent.rlimit(resource.RLIMIT_FSIZE, unlimited)
     chaos.lifted()
 
