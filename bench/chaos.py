@@ -656,6 +656,7 @@ def staging_disk_full(chaos: Chaos) -> None:
     member = fleet.members[0]
     agent_process = member.agent
     assert agent_process is not None
+    agent_alive = agent_process.alive
     agent = psutil.Process(agent_process.process.pid)
     unlimited = agent.rlimit(resource.RLIMIT_FSIZE)
     agent.rlimit(resource.RLIMIT_FSIZE, (64 * 1024, unlimited[1]))
@@ -664,7 +665,7 @@ def staging_disk_full(chaos: Chaos) -> None:
 
         def refused() -> bool:
             info = fleet.server_info(member) or {}
-            return bool(info.get("last_error")) or not agent_process.alive()
+            return bool(info.get("last_error")) or not agent_alive()
 
         wait_until(refused, 60, f"the agent to fail staging v{version}", 0.1)
         if not agent_process.alive():
