@@ -35,7 +35,7 @@ from typing import Any
 
 import typer
 
-from deploy.fleet import DEFAULT_SGLANG_FLAGS
+from deploy.fleet_config import DEFAULT_SGLANG_FLAGS
 from deploy.replica import SGLANG_ENV, ReplicaSpec, agent_argv, sglang_argv
 
 PRECISIONS = ("bf16", "fp8")
