@@ -16,6 +16,8 @@ second of the codec thread's CPU time, codec threads = 1) and on all cores (wall
 codec threads = `--threads`). Then the 1→2 thread speedup, the catch-up stages (fetch from a
 folder store, fold+verify, convert FP8, convert NVFP4, write the staged folder) in GB/s per
 core, and one JSON line. Run: `tether bench codec` or `python -m bench.codec`.
+
+Why over 500 lines: one benchmark script, read top to bottom as the procedure it measures.
 """
 
 from __future__ import annotations

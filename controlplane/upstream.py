@@ -7,6 +7,10 @@ chunked, or until the engine closes), the connect timeout and the read-inactivit
 and handing a streamed body over chunk by chunk with back-pressure. It does only what the
 forward needs — no redirects, cookies, proxies or compression — which is why it costs a
 fraction of a general-purpose client per request. Transport failures are `UpstreamError`.
+
+Why over 500 lines: one connection's life (pool, request writer, response parser, streamed
+body) is one concept on the routed request's hot path; split across modules its state
+would have to be shared through public attributes.
 """
 
 from __future__ import annotations

@@ -16,6 +16,9 @@ Runs in a few minutes on one H100/H200 (not part of CI: it needs a GPU and SGLan
 `--plan` prints the steps and command lines without a GPU.
 
 Must never be imported by library code; it owns nothing but this procedure.
+
+Why over 500 lines: it is one procedure run by hand on a GPU node, read top to bottom as the
+checklist it prints.
 """
 
 from __future__ import annotations

@@ -23,6 +23,9 @@ that URL as its advertised address. SIGTERM reaches the agent first, so it dereg
 Must never be imported by a package other than the CLI (`tether deploy`; ARCHITECTURE §1),
 and must never import `modal` at module level: only `build_app`, `run_migration`
 and the container hooks do.
+
+Why over 500 lines: Modal imports one module into every container and looks the classes up
+in it by name, so the plan, the images and the container hooks live together.
 """
 
 from __future__ import annotations

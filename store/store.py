@@ -16,6 +16,10 @@ Invariants, and why they hold:
   publisher owns the number (`PointerConflict`), a complete version is never rewritten
   (`AlreadyExists`). A retry with identical bytes (after a crash) proceeds.
 - Every key is validated (`store.layout`) before anything is written.
+
+Why about 600 lines: `Store` is the one facade of the store protocol (publish, read, verify,
+catch-up, retention); each rule it applies already lives in its own module (`layout`,
+`pointer`, `codecs`, `catchup`, `retention`, `encoder`) and this class only sequences them.
 """
 
 from __future__ import annotations
