@@ -236,8 +236,7 @@ class ChaosFleet:
 
     def __exit__(self, *_exc: object) -> None:
         try:
-            if self._publisher is not None:
-                self._publisher.close()
+            self.close_publisher()
             self.group.__exit__()
         finally:
             if self.proxy is not None:
@@ -377,6 +376,12 @@ class ChaosFleet:
         return reply.json() if reply.status_code == 200 else None
 
     # --------------------------------------------------------------- versions
+
+    def close_publisher(self) -> None:
+        """Close the trainer's Publisher (as a trainer that exits does); once only."""
+        if self._publisher is not None:
+            publisher, self._publisher = self._publisher, None
+            publisher.close()
 
     @property
     def latest(self) -> int:
@@ -622,7 +627,7 @@ def publish_while_controlplane_down(chaos: Chaos) -> None:
     replica = fleet.replicas[0]
     fleet.kill_replica(replica)
     fleet.publish()
-    fleet._publisher.close()
+    fleet.close_publisher()
     chaos.hold(2)
     fleet.start_replica(replica)
     chaos.lifted()
