@@ -1,10 +1,15 @@
 """Which paths a policy patch may not touch, and the paths a unified diff touches.
 
 The reward is 0 when a patch touches a protected path: the task's test files (every path
-of its test patch and of its required test ids), files pytest loads on its own
+of its test patch and of its required test ids) and the test folders holding them (the
+nearest enclosing folder named like `test*`, so `tests/__init__.py` is covered), files
+pytest loads on its own
 (`conftest.py`, pytest/tox configuration), interpreter start-up hooks (`sitecustomize.py`,
 `usercustomize.py`, `*.pth`) and bytecode (`__pycache__`, `*.pyc`), which Python may load
-instead of a restored source. This module only reads diff text; it never applies one.
+instead of a restored source. What a patch touches is judged twice: from the
+diff's text, and from git's own account of the tree after applying it (`git status -z`,
+`git apply --numstat -z`), so no spelling of the diff's paths (prefixes other than a/ b/)
+slips by. This module only reads text; it never applies a diff or runs git.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ ALWAYS_PROTECTED_NAMES = frozenset(
         "conftest.py",
         "pytest.ini",
         ".pytest.ini",
+        "pytest.toml",
+        ".pytest.toml",
         "tox.ini",
         "setup.cfg",
         "pyproject.toml",
@@ -41,17 +48,21 @@ def _unquote(name: str) -> str:
 
 
 def strip_diff_name(name: str) -> str | None:
-    """A path as a diff header names it: unquoted, without a/ b/; None for /dev/null."""
+    """A path as `git apply` reads a diff header: unquoted, first component stripped.
+
+    Git strips the first component whatever it is (`x/`, `y/`, not only `a/` `b/`), so this
+    does too; None for /dev/null.
+    """
     name = _unquote(name.split("\t", 1)[0].strip())
     if name == "/dev/null":
         return None
-    if name[:2] in ("a/", "b/"):
-        name = name[2:]
+    if "/" in name:
+        name = name.split("/", 1)[1]
     return name
 
 
 def patch_paths(diff: str) -> set[str]:
-    """Every path a unified or git diff names, old and new sides, without a/ b/ prefixes."""
+    """Every path a unified or git diff names, old and new sides, as git apply -p1 reads it."""
     paths: set[str] = set()
     for line in diff.splitlines():
         header = _GIT_HEADER.match(line)
@@ -93,14 +104,73 @@ def protected_test_files(task: Task) -> set[str]:
     return {posixpath.normpath(path) for path in files}
 
 
+def task_test_folders(task: Task) -> set[str]:
+    """Folders holding the task's test files: the nearest ancestor named `test*` of each.
+
+    A test file beside the code (`pkg/test_m.py`) protects only itself, so a fix to
+    `pkg/m.py` stays allowed.
+    """
+    folders = set()
+    for path in protected_test_files(task):
+        parts = path.split("/")[:-1]
+        for depth in range(len(parts), 0, -1):
+            if parts[depth - 1].lower().startswith("test"):
+                folders.add("/".join(parts[:depth]))
+                break
+    return folders
+
+
+def status_paths(porcelain_z: str) -> dict[str, str]:
+    """Path → status code from `git status --porcelain=v1 -z` (renames give both paths)."""
+    entries: dict[str, str] = {}
+    fields = porcelain_z.split("\0")
+    index = 0
+    while index < len(fields):
+        entry = fields[index]
+        index += 1
+        if len(entry) < 4:
+            continue
+        code, path = entry[:2], entry[3:]
+        entries[posixpath.normpath(path)] = code
+        if "R" in code or "C" in code:
+            if index < len(fields) and fields[index]:
+                entries[posixpath.normpath(fields[index])] = code
+            index += 1
+    return entries
+
+
+def numstat_paths(numstat_z: str) -> set[str]:
+    """Paths from `git apply --numstat -z` (a rename lists its old and new path)."""
+    paths: set[str] = set()
+    fields = numstat_z.split("\0")
+    index = 0
+    while index < len(fields):
+        entry = fields[index]
+        index += 1
+        columns = entry.split("\t")
+        if len(columns) != 3:
+            continue
+        if columns[2]:
+            paths.add(posixpath.normpath(columns[2]))
+            continue
+        # A rename or copy: the names follow in the next two fields.
+        for name in fields[index : index + 2]:
+            if name:
+                paths.add(posixpath.normpath(name))
+        index += 2
+    return paths
+
+
 def protected_violations(task: Task, touched: set[str]) -> list[str]:
     """The touched paths the policy was not allowed to change, sorted."""
     tests = protected_test_files(task)
+    folders = task_test_folders(task)
     bad = []
     for path in touched:
         name = posixpath.basename(path)
         if (
             path in tests
+            or any(path == folder or path.startswith(folder + "/") for folder in folders)
             or name in ALWAYS_PROTECTED_NAMES
             or name.endswith(ALWAYS_PROTECTED_SUFFIXES)
             or "__pycache__" in path.split("/")

@@ -3,7 +3,9 @@
 Order, each step inside the sandbox unless noted: (host) reject patches touching protected
 paths or whose added source lines reach into the test harness (`harness_guard`) → build the
 fresh base snapshot → upload → check the interpreter runs pytest → setup command → strict
-`git apply` of the policy patch → restore the task's test files and remove files the test
+`git apply` of the policy patch → reject it if git's view of the changed tree reaches a
+protected path (`git status`, `git apply --numstat`: however its diff spells paths) →
+restore the task's test folders and test files and remove files the test
 patch creates → apply the test patch → run the tests through our launcher
 (`sandboxes.pytest_plugin`), its secrets given on stdin → parse the JUnit report, check its
 nonce, the runner's exit status and the launcher's signed records against each other,
@@ -29,10 +31,18 @@ from pathlib import Path
 
 from sandboxes import pytest_plugin
 from sandboxes.base import ExecResult, Sandbox, SandboxSpec
+from sandboxes.canaries import Canaries, make_canaries
 from sandboxes.errors import InvalidTask, SandboxError
 from sandboxes.harness_guard import harness_reaches
 from sandboxes.parsers import ReportParser, ReportUnreadable, TestOutcome, TestReport, get_parser
-from sandboxes.protection import added_paths, patch_paths, protected_violations
+from sandboxes.protection import (
+    added_paths,
+    numstat_paths,
+    patch_paths,
+    protected_violations,
+    status_paths,
+    task_test_folders,
+)
 from sandboxes.pytest_plugin import LAUNCHER_NAME, Records, read_records
 from sandboxes.snapshot import build_snapshot
 from sandboxes.task import Task
@@ -48,6 +58,7 @@ PYTEST_EXIT_OK, PYTEST_EXIT_TESTS_FAILED = 0, 1
 class ScoreStatus(StrEnum):
     PASS = "pass"
     FAIL = "fail"
+    TAMPERED = "tampered"  # reward 0: the scorer's canary tests did not end as they must
     INFRA_ERROR = "infra_error"
 
 
@@ -113,7 +124,7 @@ def score(
         _score_into(result, task, patch, factory, python)
     except _Verdict as verdict:
         result.status, result.reason = verdict.status, verdict.reason
-        result.reward = 0 if verdict.status is ScoreStatus.FAIL else None
+        result.reward = None if verdict.status is ScoreStatus.INFRA_ERROR else 0
         if verdict.run is not None:
             result.output_tail = _tail(verdict.run)
     except (SandboxError, OSError) as error:
@@ -180,9 +191,12 @@ def _run_in(
     scorer = sandbox.dir(SCORER_DIR)
     if patch.strip():
         sandbox.write_file(f"{scorer}/policy.diff", patch.encode())
+        before = _tree_status(sandbox)
         applied = _git_apply(sandbox, f"{scorer}/policy.diff")
         if not applied.ok:
             raise _fail(f"the patch does not apply with git apply ({applied.describe()})", applied)
+        _refuse_protected_effect(sandbox, task, before, f"{scorer}/policy.diff")
+    _restore_test_folders(sandbox, task)
     if task.test_patch.strip():
         _restore_test_files(sandbox, task)
         sandbox.write_file(f"{scorer}/test.diff", task.test_patch.encode())
@@ -205,7 +219,11 @@ def _run_in(
     _judge_report(report, run, tests.nonce)
     if tests.records_path:
         records = read_records(_read_optional(sandbox, tests.records_path), tests.key)
+        if records.forged:
+            raise _fail(f"the plugin's records were tampered with: {records.forged}", run)
         _cross_check(task, report, run, records)
+        if tests.canaries is not None:
+            _check_canaries(tests.canaries, report, records, run)
     _award(result, task, report, run)
 
 
@@ -218,6 +236,7 @@ class _TestRun:
     nonce: str
     key: bytes = b""
     records_path: str = ""
+    canaries: Canaries | None = None
 
 
 def _run_tests(sandbox: Sandbox, task: Task, python: str) -> _TestRun:
@@ -237,14 +256,17 @@ def _run_tests(sandbox: Sandbox, task: Task, python: str) -> _TestRun:
     records_path = f"{report_dir}/{secrets.token_hex(16)}.records"
     launcher = f"{sandbox.dir(SCORER_DIR)}/{LAUNCHER_NAME}"
     sandbox.write_file(launcher, Path(pytest_plugin.__file__).read_bytes())
+    # Written only now, after every patch: nothing the policy wrote can know its names.
+    canaries = make_canaries(task.required[0].split("::", 1)[0])
+    sandbox.write_file(f"{sandbox.workdir}/{canaries.path}", canaries.source.encode())
     told = {"key": key.hex(), "records": records_path, "junitxml": report_path, "nonce": nonce}
     run = sandbox.exec(
-        [python, launcher, *PYTEST_ARGS, *task.test_args],
+        [python, launcher, *PYTEST_ARGS, *task.test_args, canaries.path],
         env=env,
         timeout_s=task.timeout_s,
         stdin=json.dumps(told).encode(),
     )
-    return _TestRun(run, report_path, nonce, key, records_path)
+    return _TestRun(run, report_path, nonce, key, records_path, canaries)
 
 
 def _read_optional(sandbox: Sandbox, path: str) -> bytes:
@@ -260,6 +282,51 @@ def _git_apply(sandbox: Sandbox, diff_path: str) -> ExecResult:
     if not check.ok:
         return check
     return sandbox.exec(["git", "apply", diff_path], timeout_s=120)
+
+
+def _git_text(sandbox: Sandbox, argv: list[str]) -> str:
+    done = sandbox.exec(["git", *argv], timeout_s=120)
+    if not done.ok:
+        raise _infra(f"git {argv[0]} failed in the sandbox ({done.describe()})", done)
+    return done.stdout.decode("utf-8", "surrogateescape")
+
+
+def _tree_status(sandbox: Sandbox) -> dict[str, str]:
+    # Ignored files count too: a patch may create one pytest or Python would still load.
+    return status_paths(
+        _git_text(
+            sandbox,
+            ["status", "--porcelain=v1", "-z", "--untracked-files=all", "--ignored=matching"],
+        )
+    )
+
+
+def _refuse_protected_effect(
+    sandbox: Sandbox, task: Task, before: dict[str, str], diff_path: str
+) -> None:
+    """Judge what the patch did to the tree as git sees it, not how its diff names paths."""
+    after = _tree_status(sandbox)
+    effect = {path for path, code in after.items() if before.get(path) != code}
+    effect |= {path for path in before if path not in after}
+    effect |= numstat_paths(_git_text(sandbox, ["apply", "--numstat", "-z", diff_path]))
+    violations = protected_violations(task, effect)
+    if violations:
+        raise _fail(f"the patch touches protected paths: {', '.join(violations)}")
+
+
+def _restore_test_folders(sandbox: Sandbox, task: Task) -> None:
+    """Put the task's test folders back as the base has them, whatever the patch did."""
+    folders = sorted(task_test_folders(task))
+    if not folders:
+        return
+    tracked = _git_text(sandbox, ["ls-files", "-z", "--", *folders]).split("\0")
+    if any(tracked):
+        done = sandbox.exec(["git", "checkout", "HEAD", "--", *folders], timeout_s=60)
+        if not done.ok:
+            raise _infra(f"could not restore the task's test folders: {done.describe()}")
+    done = sandbox.exec(["git", "clean", "-fdq", "--", *folders], timeout_s=60)
+    if not done.ok:
+        raise _infra(f"could not clean the task's test folders: {done.describe()}")
 
 
 def _restore_test_files(sandbox: Sandbox, task: Task) -> None:
@@ -306,8 +373,6 @@ def _judge_report(report: TestReport, run: ExecResult, nonce: str) -> None:
 
 def _cross_check(task: Task, report: TestReport, run: ExecResult, records: Records) -> None:
     """The plugin's signed records must exist, be complete, and agree with everything else."""
-    if records.forged:
-        raise _fail(f"the plugin's records were tampered with: {records.forged}", run)
     if records.exitstatus is None:
         raise _fail(
             "the test process ended before pytest finished its session (no final record "
@@ -334,6 +399,22 @@ def _cross_check(task: Task, report: TestReport, run: ExecResult, records: Recor
                 f"{recorded}; treating as forged",
                 run,
             )
+
+
+def _check_canaries(
+    canaries: Canaries, report: TestReport, records: Records, run: ExecResult
+) -> None:
+    """Every canary must end as it must, in the signed records and in the JUnit report."""
+    reported = {nodeid: outcome.value for nodeid, outcome in report.outcomes.items()}
+    wrong = canaries.deviations(records.outcomes) or canaries.deviations(reported)
+    if wrong:
+        shown = "; ".join(wrong[:3]) + (f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else "")
+        raise _Verdict(
+            ScoreStatus.TAMPERED,
+            "tampered: the scorer's canary tests did not end as they must, so something in "
+            f"the run changes test outcomes: {shown}",
+            run,
+        )
 
 
 def _award(result: ScoreResult, task: Task, report: TestReport, run: ExecResult) -> None:

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sandboxes.protection import added_paths, patch_paths, protected_violations
+from sandboxes.protection import (
+    added_paths,
+    numstat_paths,
+    patch_paths,
+    protected_violations,
+    status_paths,
+    task_test_folders,
+)
 from sandboxes.task import Task
 
 RENAMES = """diff --git a/src/old.py b/src/new.py
@@ -56,3 +63,36 @@ def test_protected_paths_include_test_files_runner_hooks_and_task_globs():
         ".git/config",
     }
     assert protected_violations(task, touched) == sorted(touched - {"src/fix.py"})
+
+
+def test_any_first_path_component_is_stripped_as_git_apply_does():
+    spelled = "--- x/tests/t.py\n+++ y/tests/t.py\n@@ -1 +1 @@\n-a\n+b\n"
+    assert patch_paths(spelled) == {"tests/t.py"}
+
+
+def test_git_status_and_numstat_outputs_name_every_path_git_changed():
+    porcelain = " M src/m.py\0?? tests/__init__.py\0R  new.py\0old.py\0!! pytest.toml\0"
+    assert status_paths(porcelain) == {
+        "src/m.py": " M",
+        "tests/__init__.py": "??",
+        "new.py": "R ",
+        "old.py": "R ",
+        "pytest.toml": "!!",
+    }
+    assert numstat_paths("1\t0\tsrc/m.py\0" + "0\t0\t\0old.py\0new.py\0") == {
+        "src/m.py",
+        "old.py",
+        "new.py",
+    }
+
+
+def test_test_folders_are_the_nearest_test_named_ancestors_of_the_task_tests():
+    task = Task(
+        id="t",
+        repo=Path("."),
+        base_commit="abcd",
+        fail_to_pass=["tests/unit/test_a.py::t", "pkg/test_b.py::t", "src/testing/x/c.py::t"],
+    )
+    assert task_test_folders(task) == {"tests", "src/testing"}
+    touched = {"tests/unit/__init__.py", "pkg/b.py", "tests/x.py", "src/testing/y.py"}
+    assert protected_violations(task, touched) == sorted(touched - {"pkg/b.py"})

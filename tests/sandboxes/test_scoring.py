@@ -415,3 +415,70 @@ def test_a_malformed_task_file_is_rejected_with_its_cause(tmp_path: Path):
 def test_scoring_uses_the_chosen_interpreter(example: ExampleTask):
     result = score(example.task(), example.gold_patch, python=sys.executable)
     assert result.reward == 1
+
+
+def _base_with_test_patch_committed(example: ExampleTask):
+    """The task with its test patch already in the base commit, and no test patch."""
+    (example.repo.parent / "test.diff").write_text(example.task().test_patch)
+    git(example.repo, "apply", str(example.repo.parent / "test.diff"))
+    git(example.repo, "commit", "-q", "-am", "tests in the base")
+    base = git(example.repo, "rev-parse", "HEAD").strip()
+    return example.task().model_copy(update={"base_commit": base, "test_patch": ""})
+
+
+def test_a_required_test_edited_through_other_diff_prefixes_scores_zero(example: ExampleTask):
+    """`git apply` strips any first path component; the verdict follows git, not a/ b/."""
+    task = _base_with_test_patch_committed(example)
+    trivial = "def test_sub():\n    pass\n\n\ndef test_add():\n    pass\n"
+    (example.repo / "tests" / "test_ops.py").write_text(trivial)
+    patch = git(example.repo, "diff", "--src-prefix=x/", "--dst-prefix=y/")
+    git(example.repo, "checkout", "-q", "--", ".")
+    assert "x/tests/test_ops.py" in patch
+    assert_zero(score(task, patch), "protected paths: tests/test_ops.py")
+
+
+def test_pytest9_config_files_and_files_in_test_folders_are_protected(example: ExampleTask):
+    for path in ("pytest.toml", ".pytest.toml", "tests/__init__.py", "tests/helpers/plug.py"):
+        result = score_change(example, {path: "x = 1\n"})
+        assert_zero(result, f"protected paths: {path}")
+
+
+def test_a_protected_file_added_with_other_prefixes_is_named_as_git_reads_it(
+    example: ExampleTask,
+):
+    patch = diff_of(example.repo, {"pytest.toml": "[pytest]\n"})
+    patch = patch.replace(" a/", " x/").replace(" b/", " y/")
+    assert "y/pytest.toml" in patch
+    assert_zero(score(example.task(), patch), "protected paths: pytest.toml")
+
+
+NEUTER_ASSERT_EQUAL = (
+    "import unittest\n\nunittest.TestCase.assertEqual = lambda self, *a, **k: None\n"
+)
+
+
+def test_a_tests_package_init_that_disables_assertions_is_caught_by_the_canaries(
+    example: ExampleTask,
+):
+    """tests/__init__.py runs at collection; the canaries beside the tests feel it."""
+    (example.repo / "tests" / "__init__.py").write_text(NEUTER_ASSERT_EQUAL)
+    git(example.repo, "commit", "-q", "-am", "neuter assertEqual")
+    base = git(example.repo, "rev-parse", "HEAD").strip()
+    result = score(example.task().model_copy(update={"base_commit": base}), example.gold_patch)
+    assert result.status is ScoreStatus.TAMPERED and result.reward == 0, result.reason
+    assert "canary" in result.reason and "must have failed, got passed" in result.reason
+
+
+def test_the_package_under_test_disabling_assertions_is_tampering(example: ExampleTask):
+    fixed = (example.repo / "calc" / "ops.py").read_text().replace("return a - b", "return a + b")
+    patch = diff_of(example.repo, {"calc/__init__.py": NEUTER_ASSERT_EQUAL, "calc/ops.py": fixed})
+    # The static guard would already refuse this; the canaries must catch it on their own.
+    task = example.task().model_copy(update={"harness_guard": False})
+    result = score(task, patch)
+    assert result.status is ScoreStatus.TAMPERED and result.reward == 0, result.reason
+
+
+def test_canaries_do_not_count_as_required_tests(example: ExampleTask):
+    result = score(example.task(), example.gold_patch)
+    assert result.reward == 1, result.reason
+    assert all("::Test" not in test_id or "TestSubMore" in test_id for test_id in result.tests)
