@@ -27,6 +27,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import uvicorn
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception_type,
+    stop_never,
+    wait_exponential,
+)
 
 from engine_agent.control_client import ControlClient
 from engine_agent.engines.base import Engine
@@ -216,8 +223,22 @@ class Agent:
         self.reconciler.assign(reply.target_version)
 
     async def _heartbeats(self) -> None:
+        """Beat every `heartbeat_interval_s` (sooner when poked); while the control plane is
+        unreachable, retry with exponential backoff from 0.5 s up to 10 s."""
+        retrying = AsyncRetrying(
+            retry=retry_if_exception_type(ControlPlaneUnavailable),
+            wait=wait_exponential(multiplier=0.5, max=10.0),
+            sleep=self._until_beat,  # a poke (state change) cuts a backoff short
+            before_sleep=_log_heartbeat_failure,
+            stop=stop_never,
+        )
+        while True:
+            await retrying(self._beat_once)
+            await self._until_beat(self.heartbeat_interval_s)
+
+    async def _beat_once(self) -> None:
+        """One heartbeat (registering first if needed); follows the target it answers."""
         assert self.control is not None
-        backoff = 0.5
         while True:
             try:
                 if self.engine_id is None:
@@ -225,21 +246,20 @@ class Agent:
                 reply = await self.control.heartbeat(
                     self.engine_id or "", self.status.heartbeat(self.gate.in_flight)
                 )
-                if reply.target_version != self.reconciler.assigned:
-                    self.reconciler.assign(reply.target_version)
-                backoff = 0.5
-                wait = self.heartbeat_interval_s
             except EngineNotRegistered:
                 log.warning("control plane forgot engine %s; registering again", self.engine_id)
                 self.engine_id = None
                 continue
-            except ControlPlaneUnavailable as exc:
-                log.warning("heartbeat failed: %s", exc)
-                wait, backoff = backoff, min(backoff * 2, 10.0)
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(wait):
-                    await self._beat.wait()
-            self._beat.clear()
+            if reply.target_version != self.reconciler.assigned:
+                self.reconciler.assign(reply.target_version)
+            return
+
+    async def _until_beat(self, seconds: float) -> None:
+        """Wait `seconds`, or less if something pokes the heartbeat."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await self._beat.wait()
+        self._beat.clear()
 
     async def _targets(self) -> None:
         assert self.control is not None
@@ -353,6 +373,11 @@ class Agent:
         if self.control is not None:
             await self.control.close()
         log.info("stopped in %.2fs", time.perf_counter() - started)
+
+
+def _log_heartbeat_failure(state: RetryCallState) -> None:
+    failure = state.outcome.exception() if state.outcome is not None else None
+    log.warning("heartbeat failed: %s", failure)
 
 
 def make_engine(settings: AgentSettings) -> Engine:

@@ -26,7 +26,6 @@ CONVERGE_DEADLINE_S = 60.0
 AWAITING_FIX = {
     "replica_killed": "issue 16 item 11: an agent fails over between control-plane replicas",
     "postgres_stopped_10s": "issue 16 item 10: a database outage answers 503, not 500",
-    "s3_down_30s_during_catch_up": "issue 16 item 2: a failed stage leaves the agent running",
     "engine_killed_mid_commit": "issue 16 item 3: an agent recovers after its engine restarts",
     "publish_while_controlplane_down": "issue 16 item 4: the control plane adopts the store "
     "pointer",
