@@ -36,7 +36,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 		echo "warning: no local torch wheel and $(TORCH_CPU_INDEX) unreachable: plain $(TORCH)"; \
 		$(BIN)/pip install -q $(TORCH); \
 	fi
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,trl]'
 	touch $(STAMP)
 
 $(CHECKOV): | $(BIN)/python
