@@ -18,6 +18,7 @@ class Limits:
     as a non-root uid of its own, which the local backend arranges when the host user is root.
     `output_cap_bytes` is the most stdout+stderr one command may produce before it is killed;
     `output_keep_bytes` is how much of the head and of the tail of each stream is kept.
+    `shm_size_bytes` caps the private /dev/shm (POSIX semaphores, `multiprocessing.Lock`).
     """
 
     address_space_bytes: int = 4 << 30
@@ -25,6 +26,7 @@ class Limits:
     processes: int = 256
     open_files: int = 1024
     tmp_size_bytes: int = 256 << 20
+    shm_size_bytes: int = 64 << 20
     output_cap_bytes: int = 16 << 20
     output_keep_bytes: int = 32 << 10
 

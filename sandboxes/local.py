@@ -1,8 +1,9 @@
 """The local backend: commands isolated by bubblewrap, as a leased non-root uid, under rlimits.
 
 Each `exec` is one fresh `bwrap` invocation: the host root bound read-only, a private
-size-capped /tmp, the sandbox's own folders as the only writable binds, new network, PID,
-IPC and UTS namespaces, a new session, a cleared environment, killed when its parent dies.
+size-capped /tmp and /dev/shm, the sandbox's own folders as the only writable binds, new
+network, PID, IPC and UTS namespaces, a new session, a cleared environment, killed when its
+parent dies.
 When the host user is root the sandbox leases a uid of its own (`sandboxes.uids`) and drops
 to it with `setpriv` inside bwrap, because RLIMIT_NPROC does not hold for root; folders of
 root that are not world-traversable (e.g. a pyenv under /root) are masked with a tmpfs and
@@ -106,12 +107,16 @@ def bwrap_argv(
     network: bool,
     tmp_size: int,
     chdir: str,
+    shm_size: int = 64 << 20,
     env: Mapping[str, str],
 ) -> list[str]:
     """The bwrap (and, as root, setpriv) prefix that isolates one command."""
     argv = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev"]
     if level == FULL:
         argv += ["--proc", "/proc"]
+    # `--dev` gives a read-only /dev/shm; a private writable one, capped, so that
+    # `multiprocessing.Lock()` (a POSIX semaphore there) works as it does outside.
+    argv += ["--perms", "1777", "--size", str(shm_size), "--tmpfs", "/dev/shm"]
     argv += ["--size", str(tmp_size), "--tmpfs", SANDBOX_TMP]
     # The private /tmp would hide an interpreter that lives under it (a venv in a checkout
     # under /tmp, as CI clones have): bind back, read-only, its top folder under /tmp, as
@@ -303,6 +308,7 @@ class LocalSandbox(Sandbox):
             python=self.spec.python,
             network=self.spec.network,
             tmp_size=self.spec.limits.tmp_size_bytes,
+            shm_size=self.spec.limits.shm_size_bytes,
             chdir=chdir,
             env=env,
         )

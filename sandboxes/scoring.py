@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import secrets
 import tempfile
 import time
@@ -169,7 +170,50 @@ def _score_into(
         with factory(spec) as sandbox:
             result.isolation = sandbox.isolation
             sandbox.upload_tree(snapshot)
-            _run_in(sandbox, spec, result, task, patch, parser)
+            local = _local_module_names(snapshot)
+            try:
+                _run_in(sandbox, spec, result, task, patch, parser)
+            except _Verdict as verdict:
+                output = _tail(verdict.run, 1 << 20) if verdict.run else ""
+                missing = _missing_third_party(output, local, patch)
+                if verdict.status is ScoreStatus.FAIL and missing:
+                    raise _infra(
+                        f"collecting the tests failed because module {missing!r} is not "
+                        f"installed for {spec.python}; install it (or name it in the task's "
+                        "setup), it is not the patch's fault",
+                        verdict.run,
+                    ) from None
+                raise
+
+
+_MISSING_MODULE = re.compile(r"No module named '([A-Za-z_][\w.]*)'")
+
+
+def _local_module_names(repo: Path) -> set[str]:
+    """Top-level names the repository itself provides (at its root and under src/)."""
+    names = set()
+    for folder in (repo, repo / "src"):
+        if folder.is_dir():
+            for entry in folder.iterdir():
+                names.add(entry.stem if entry.suffix == ".py" else entry.name)
+    return names
+
+
+def _missing_third_party(output: str, local: set[str], patch: str) -> str:
+    """The module a collection error says is missing, when neither repo nor patch owns it.
+
+    A module of the repository (a file the patch deleted or broke), or one the patch's own
+    added lines name, is the patch's doing and stays a 0.
+    """
+    if "ERROR collecting" not in output:
+        return ""
+    added = "\n".join(line for line in patch.splitlines() if line.startswith("+"))
+    for match in _MISSING_MODULE.finditer(output):
+        module = match.group(1)
+        top = module.split(".", 1)[0]
+        if top not in local and top not in added:
+            return module
+    return ""
 
 
 def _run_in(

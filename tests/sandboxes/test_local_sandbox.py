@@ -169,3 +169,29 @@ def test_parallel_sandboxes_do_not_share_a_uid_or_folder():
     assert {k: v[0] for k, v in results.items()} == {"a": b"a", "b": b"b", "c": b"c"}
     if os.geteuid() == 0:
         assert len({v[1] for v in results.values()}) == 3
+
+
+def test_dev_shm_is_private_writable_and_size_capped(tmp_path: Path):
+    """multiprocessing.Lock is a POSIX semaphore in /dev/shm; a read-only one breaks it."""
+    limits = Limits(shm_size_bytes=4 << 20)
+    code = (
+        "import multiprocessing, os\n"
+        "lock = multiprocessing.Lock()\n"
+        "with lock:\n    print('locked')\n"
+        "print('host file seen', os.path.exists('/dev/shm/tether-host-marker'))\n"
+        "try:\n"
+        "    with open('/dev/shm/big', 'wb') as f:\n"
+        "        f.write(b'x' * (8 << 20))\n"
+        "    print('wrote past the cap')\n"
+        "except OSError as e:\n    print('capped', e.errno)\n"
+    )
+    marker = Path("/dev/shm/tether-host-marker")
+    try:
+        marker.write_text("host")
+        with LocalSandbox(SandboxSpec(limits=limits)) as sandbox:
+            result = run_py(sandbox, code)
+    finally:
+        marker.unlink(missing_ok=True)
+    out = result.stdout.decode()
+    assert result.ok, result.describe()
+    assert "locked" in out and "host file seen False" in out and "capped" in out, out

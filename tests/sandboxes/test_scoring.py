@@ -482,3 +482,36 @@ def test_canaries_do_not_count_as_required_tests(example: ExampleTask):
     result = score(example.task(), example.gold_patch)
     assert result.reward == 1, result.reason
     assert all("::Test" not in test_id or "TestSubMore" in test_id for test_id in result.tests)
+
+
+def _base_whose_tests_import(example: ExampleTask, module: str):
+    task = _base_with_test_patch_committed(example)
+    tests = example.repo / "tests" / "test_ops.py"
+    tests.write_text(tests.read_text() + f"\n\nimport {module}  # noqa\n")
+    git(example.repo, "commit", "-q", "-am", f"tests need {module}")
+    base = git(example.repo, "rev-parse", "HEAD").strip()
+    return task.model_copy(update={"base_commit": base})
+
+
+def test_a_missing_third_party_test_dependency_is_an_infra_error_naming_it(
+    example: ExampleTask,
+):
+    task = _base_whose_tests_import(example, "tether_absent_dependency")
+    result = score(task, example.gold_patch)
+    assert result.status is ScoreStatus.INFRA_ERROR and result.reward is None, result.reason
+    assert "'tether_absent_dependency' is not installed" in result.reason
+
+
+def test_a_patch_importing_a_missing_module_itself_still_scores_zero(example: ExampleTask):
+    broken = "import tether_absent_dependency  # noqa\n" + OPS_FIXED
+    assert_zero(score_change(example, {"calc/ops.py": broken}), "ended abnormally")
+
+
+def test_a_patch_deleting_a_module_of_the_repository_still_scores_zero(example: ExampleTask):
+    deleting = "diff --git a/calc/ops.py b/calc/ops.py\ndeleted file mode 100644\n" + "".join(
+        f"{line}\n" for line in ["--- a/calc/ops.py", "+++ /dev/null"]
+    )
+    lines = OPS_BUGGY.splitlines()
+    deleting += f"@@ -1,{len(lines)} +0,0 @@\n" + "".join(f"-{line}\n" for line in lines)
+    result = score(example.task(), deleting)
+    assert result.status is ScoreStatus.FAIL and result.reward == 0, result.reason
