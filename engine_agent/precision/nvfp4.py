@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from engine_agent.precision import nvfp4_kernel
+
 GROUP = 16
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
@@ -31,7 +33,11 @@ _ELEMENTS_PER_STEP = 1 << 20
 
 
 def e2m1_codes(y: torch.Tensor) -> torch.Tensor:
-    """4-bit codes (uint8, 0..15) of fp32 values, nearest-even, saturating at ±6."""
+    """4-bit codes (uint8, 0..15) of fp32 values, nearest-even, saturating at ±6.
+
+    The readable definition of the rounding; conversion runs `nvfp4_kernel`'s fused copy
+    of it, which the tests hold to this one bit for bit.
+    """
     mag = y.abs()
     # Each comparison lands in one reused bool buffer, added as uint8: no per-bound tensors.
     hit = torch.empty_like(mag, dtype=torch.bool)
@@ -91,15 +97,16 @@ def encode_groups(
     """Packed codes `[G, 8]` and E4M3 scales `[G]` of fp32 16-element groups `[G, 16]`.
 
     The one place values meet scales, shared by full and incremental conversion so that
-    both run the same fp32 operations. Writes into `groups` (the caller's scratch).
-    `group_amax` (max |x| per group) may be passed when the caller has it already.
+    both run the same fp32 operations. `group_amax` (max |x| per group) may be passed when
+    the caller has it already. Division, clamp, coding and packing run fused in
+    `nvfp4_kernel` (the same fp32 operations as `e2m1_codes` after `div_`/`clamp_`).
     """
+    values = groups.numpy()
     if group_amax is None:
-        group_amax = groups.abs().amax(dim=-1)
+        group_amax = torch.from_numpy(nvfp4_kernel.group_amax(values))
     block_scale = group_scales(group_amax, scale_2)
     divisor = block_scale.to(torch.float32) * scale_2
-    groups.div_(divisor[:, None]).clamp_(-E2M1_MAX, E2M1_MAX)
-    return pack_nibbles(e2m1_codes(groups)), block_scale
+    return torch.from_numpy(nvfp4_kernel.encode_packed(values, divisor.numpy())), block_scale
 
 
 def quantize_nvfp4(

@@ -24,6 +24,8 @@ from engine_agent.precision.nvfp4 import (
     dequantize_nvfp4,
     e2m1_codes,
     e2m1_values,
+    encode_groups,
+    group_scales,
     pack_nibbles,
     quantize_nvfp4,
 )
@@ -82,6 +84,35 @@ def test_e2m1_rounds_to_nearest_even_and_saturates_at_six():
 def test_nibble_order_puts_the_even_element_in_the_low_nibble():
     codes = e2m1_codes(torch.tensor([[0.5, -6.0]]))
     assert pack_nibbles(codes).tolist() == [[0xF1]]
+
+
+@pytest.mark.parametrize("global_amax", [0.0, 1e-30, 0.05, 6.0, 2688.0, 3e38])
+def test_fused_nvfp4_encoding_matches_the_torch_definition_on_every_bf16_value(global_amax):
+    # Every BF16 bit pattern (NaN, ±inf, ±0, subnormals, exact E2M1 ties after division),
+    # in a shuffled order so that each 16-group mixes magnitudes.
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    order = torch.randperm(bits.numel(), generator=torch.Generator().manual_seed(7))
+    groups = bits[order].view(torch.bfloat16).to(torch.float32).view(-1, 16)
+    # Plus groups whose values land exactly on every rounding bound and its neighbours.
+    bounds = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0])
+    near = torch.cat(
+        [bounds, bounds.nextafter(torch.tensor(9.0)), bounds.nextafter(torch.tensor(0.0))]
+    )
+    ties = torch.cat([near, -near]).view(-1, 16)
+    scale_2 = torch.tensor(global_amax, dtype=torch.float32) / 2688
+    scale_2 = torch.where(scale_2 > 0, scale_2, torch.ones_like(scale_2))
+    for values in (groups, ties):
+        packed, block_scale = encode_groups(values.clone(), scale_2)
+        amax = values.abs().amax(dim=-1)
+        expected_scale = group_scales(amax, scale_2)
+        divisor = expected_scale.to(torch.float32) * scale_2
+        reference = e2m1_codes(values.clone().div_(divisor[:, None]).clamp_(-6.0, 6.0))
+        assert torch.equal(block_scale.view(torch.uint8), expected_scale.view(torch.uint8))
+        assert torch.equal(packed, pack_nibbles(reference))
+    # The ties themselves, divided by exactly 1 (a group amax of 6 with a unit global
+    # scale gives block scale 1): each bound rounds by its own tie rule.
+    packed = encode_groups(ties.clone(), torch.tensor(1.0), torch.full((ties.shape[0],), 6.0))[0]
+    assert torch.equal(packed, pack_nibbles(e2m1_codes(ties.clamp(-6.0, 6.0))))
 
 
 def test_nvfp4_group_error_is_bounded_and_requantization_is_bit_identical():
