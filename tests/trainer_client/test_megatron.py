@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -277,11 +278,9 @@ def test_unknown_tensors_and_uneven_splits_are_refused_with_a_clear_error():
         merge_tensor_parallel_shards(shards, CONFIG)
 
 
-def test_wrapping_a_megatron_model_without_megatron_core_says_how_to_install_it():
-    try:
-        import megatron.core  # noqa: F401
-    except ImportError:
-        with pytest.raises(MegatronLayoutError, match=r"tether\[megatron\]"):
-            megatron_hf_state_dict(torch.nn.Linear(1, 1), CONFIG)
-    else:
-        pytest.skip("megatron-core is installed; the adapter's wrapper path is live")
+def test_wrapping_a_megatron_model_without_megatron_core_says_how_to_install_it(monkeypatch):
+    # `make install` installs megatron-core; a None entry makes its import fail as if absent.
+    monkeypatch.setitem(sys.modules, "megatron", None)
+    monkeypatch.setitem(sys.modules, "megatron.core", None)
+    with pytest.raises(MegatronLayoutError, match=r"tether\[megatron\]"):
+        megatron_hf_state_dict(torch.nn.Linear(1, 1), CONFIG)
