@@ -67,9 +67,7 @@ def serve(
     import logging
     import os
 
-    import uvicorn
-
-    from controlplane.app import create_app
+    from controlplane import serving
     from controlplane.auth import ensure_admin_token
     from controlplane.db import open_engine, session_factory
 
@@ -95,19 +93,4 @@ def serve(
             TETHER_HOST=settings.host,
             TETHER_PORT=str(settings.port),
         )
-    uvicorn.run(
-        "controlplane.app:create_app" if workers > 1 else create_app(settings),
-        factory=workers > 1,
-        workers=workers,
-        host=settings.host,
-        port=settings.port,
-        log_level=log_level,
-        access_log=False,
-        # Longer than clients' idle expiry (httpx: 5 s), so a client never sends a request
-        # on a connection the server is closing at that very moment.
-        timeout_keep_alive=65,
-        loop="uvloop",
-        http="httptools",
-        # Nothing here reads the client address; parsing X-Forwarded-For costs every request.
-        proxy_headers=False,
-    )
+    serving.run(settings, log_level, workers)

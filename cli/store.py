@@ -1,15 +1,16 @@
-"""`tether store ...`: list, show, verify and garbage-collect policy versions.
+"""`tether store ...`: publish, list, show, verify and garbage-collect policy versions.
 
-Thin commands over `store.Store`: they parse flags, call the store and render Rich tables
-and progress bars. Bad input (an unsupported URL, a missing store folder, an unknown run
-or version) prints one line and exits 2; a failed verification exits 1. No command here
-writes anything except `gc` without `--dry-run`.
+Thin commands over `store.Store` (and the trainer's `Publisher` for `publish`): they parse
+flags, call the store and render Rich tables and progress bars. Bad input (an unsupported
+URL, a missing store folder, an unknown run or version) prints one line and exits 2; a
+failed verification exits 1. Only `publish` and `gc` without `--dry-run` write.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -264,3 +265,45 @@ def gc_command(
             + (f" and incomplete {report.incomplete_deleted}" if report.incomplete_deleted else "")
             + f" ({human_bytes(report.bytes_freed)}); kept {report.kept}"
         )
+
+
+@app.command("publish")
+def publish_command(
+    run: Annotated[str, typer.Option("--run", help="Run id (created on first publish).")],
+    checkpoint: Annotated[
+        Path, typer.Option("--checkpoint", help="Hugging Face checkpoint folder to publish.")
+    ],
+    store_url: StoreOption = DEFAULT_STORE_URL,
+    control_plane: Annotated[
+        str | None,
+        typer.Option(
+            "--control-plane",
+            envvar="TETHER_CONTROL_PLANE",
+            help="Control plane to create the run at and notify (optional).",
+        ),
+    ] = None,
+    token: Annotated[
+        str | None,
+        typer.Option("--token", envvar="TETHER_TOKEN", help="Trainer-role bearer token."),
+    ] = None,
+) -> None:
+    """Publish a checkpoint as the run's next version; the first publish creates the run
+    (in the store and at the control plane) with the checkpoint as its boot version 0."""
+    import httpx
+
+    from trainer_client.notifier import ControlPlaneRefused
+    from trainer_client.publisher import Publisher
+
+    if not (checkpoint / "config.json").is_file():
+        raise fail(f"--checkpoint {checkpoint} has no config.json (a Hugging Face folder)")
+    with user_errors():
+        publisher = Publisher(store_url, run, control_plane, token, progress=False)
+        try:
+            report = publisher.claim(0, checkpoint) or publisher.publish(checkpoint)
+        except ControlPlaneRefused as exc:  # a bad token, a store outside its roots
+            raise fail(str(exc), EXIT_PROBLEM) from None
+        except httpx.TransportError as exc:
+            raise fail(f"cannot reach the control plane at {control_plane}: {exc}") from None
+        finally:
+            publisher.close()
+    console.print(f"published {run} v{report.version} ({report.kind.value}) to {store_url}")

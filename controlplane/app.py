@@ -31,11 +31,27 @@ from controlplane.auth import (
     ensure_admin_token,
     mint_token,
 )
-from controlplane.errors import ERROR_RESPONSES, EngineUnknown, NoVersionYet, install_handlers
+from controlplane.errors import (
+    ERROR_RESPONSES,
+    EngineUnknown,
+    InvalidRequest,
+    NoVersionYet,
+    RunUnknown,
+    install_handlers,
+)
 from controlplane.hotpath import ControlPlaneApp, HotPath
 from controlplane.middleware import BodyLimit, RequestMetrics
 from controlplane.pointer import confirm_published
-from controlplane.proxy import Proxy, not_ready, open_client, resolve_run, validation_error
+from controlplane.proxy import (
+    Proxy,
+    check_run,
+    no_engine,
+    open_client,
+    resolve_run,
+    session_of,
+    validation_error,
+)
+from controlplane.refusals import too_far_ahead
 from controlplane.router import pick
 from controlplane.services import Services
 from controlplane.settings import ControlPlaneSettings
@@ -53,6 +69,7 @@ from wire import (
     Precision,
     Role,
     RouteAnswer,
+    RoutingFields,
     RunCreate,
     RunInfo,
     RunList,
@@ -155,6 +172,10 @@ def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:
 
         return dependency
 
+    async def engine_owner(request: Request, role: Role = Depends(role(ENGINE))) -> str | None:
+        """The credential engines are bound to (None for an admin, who may act for any)."""
+        return cp.tokens.owner_key(request.headers.get("authorization"), role)
+
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         cp.first_admin_token = await asyncio.to_thread(
@@ -162,7 +183,13 @@ def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:
         )
         client = open_client(settings.proxy_timeout_s)
         cp.proxy = Proxy(
-            cp.fleet, cp.metrics, client, settings.route_attempts, settings.default_retry_after_s
+            cp.fleet,
+            cp.metrics,
+            client,
+            settings.route_attempts,
+            settings.default_retry_after_s,
+            settings.max_versions_ahead,
+            settings.max_stream_bytes,
         )
         await cp.fleet.start()
         await cp.heartbeats.writer.start()
@@ -186,13 +213,11 @@ def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:
     app.state.cp = cp
     install_handlers(app)
     # Both lanes pass the body limit and the request metrics; the hot lane skips the rest.
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    limits = {"limit": settings.max_body_bytes, "header_limit": settings.max_header_bytes}
+    app.add_middleware(BodyLimit, **limits)
     app.add_middleware(RequestMetrics, metrics=cp.metrics)
     hot_path = HotPath(cp)
-    app.install_hot_lane(
-        hot_path,
-        RequestMetrics(BodyLimit(hot_path, settings.max_body_bytes), cp.metrics),
-    )
+    app.install_hot_lane(hot_path, RequestMetrics(BodyLimit(hot_path, **limits), cp.metrics))
 
     dashboard.install(app, cp, role)
 
@@ -258,7 +283,13 @@ def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:
 
     @app.get("/v1/runs/{run_id}/versions", response_model=VersionList, tags=["versions"])
     def list_versions(run_id: str, _: Role = Depends(role(ANY_ROLE))) -> VersionList:
-        return VersionList(versions=cp.runs.versions(run_id))
+        """The run's published versions the store still holds (`store gc` removes some)."""
+        run = cp.runs.get(run_id)
+        recorded = cp.runs.versions(run_id)
+        held = cp.catalog.versions(run_id, run.store_url, [v.version for v in recorded])
+        if held is None:  # the store cannot be listed right now: show what was published
+            return VersionList(versions=recorded)
+        return VersionList(versions=[v for v in recorded if v.version in held])
 
     @app.get("/v1/runs/{run_id}/versions/latest", response_model=VersionInfo, tags=["versions"])
     def latest_version(run_id: str, _: Role = Depends(role(ANY_ROLE))) -> VersionInfo:
@@ -297,8 +328,29 @@ def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:
     # ------------------------------------------------------------------ engines
 
     @app.post("/v1/engines", response_model=EngineRegistered, status_code=201, tags=["engines"])
-    def register_engine(body: EngineRegister, _: Role = Depends(role(ENGINE))) -> EngineRegistered:
-        engine_id, _expires = cp.registry.register(body)
+    def register_engine(
+        body: EngineRegister, owner: str | None = Depends(engine_owner)
+    ) -> EngineRegistered:
+        """Register an engine, bound to the calling token; the same URL registered again
+        with the same token is the same engine (same id, one routing entry)."""
+        try:
+            run = cp.runs.get(body.run_id)
+        except RunUnknown as exc:
+            raise RunUnknown(
+                f"run {body.run_id!r} does not exist: create it first (POST /v1/runs)",
+                field="body.run_id",
+            ) from exc
+        applied = body.applied_version
+        if applied is not None and not cp.runs.has_version(body.run_id, applied):
+            held = cp.catalog.versions(body.run_id, run.store_url, [applied])
+            if held is not None and applied not in held:
+                raise InvalidRequest(
+                    f"body.applied_version: run {body.run_id!r} has no version {applied} (its "
+                    f"boot version is {run.boot_version}, latest {run.latest_version}): report "
+                    "the version the engine really serves",
+                    field="body.applied_version",
+                )
+        engine_id, _expires = cp.registry.register(body, owner)
         cp.fleet.poke()
         return EngineRegistered(
             engine_id=engine_id,
@@ -310,13 +362,15 @@ def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:
 
     @app.post("/v1/engines/{engine_id}/heartbeat", response_model=HeartbeatReply, tags=["engines"])
     async def heartbeat(
-        engine_id: str, body: Heartbeat, _: Role = Depends(role(ENGINE))
+        engine_id: str, body: Heartbeat, owner: str | None = Depends(engine_owner)
     ) -> Response:
         """Renew the lease, report the engine's state; answers the engine's target version.
+        Only the token that registered the engine (or an admin) may (403 otherwise).
 
         Served by `controlplane/hotpath.py` (same roles and answers); declared here for
         the OpenAPI document."""
-        return Response(await cp.heartbeats.answer(engine_id, body), media_type="application/json")
+        reply = await cp.heartbeats.answer(engine_id, body, owner)
+        return Response(reply, media_type="application/json")
 
     @app.get("/v1/engines/{engine_id}/target", response_model=TargetReply, tags=["engines"])
     async def engine_target(
@@ -347,8 +401,9 @@ def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:
         return TargetReply(target_version=found, changed=True)
 
     @app.delete("/v1/engines/{engine_id}", status_code=204, tags=["engines"])
-    def deregister_engine(engine_id: str, _: Role = Depends(role(ENGINE))) -> Response:
-        cp.registry.deregister(engine_id)
+    def deregister_engine(engine_id: str, owner: str | None = Depends(engine_owner)) -> Response:
+        """Remove an engine; only the token that registered it (or an admin) may (403)."""
+        cp.registry.deregister(engine_id, owner)
         cp.fleet.poke()
         return Response(status_code=204)
 
@@ -406,23 +461,35 @@ def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:
             spec = WeightVersionSpec(min_version=min_version, exact_version=exact_version)
         except ValidationError as exc:
             raise validation_error(exc, "query") from exc
+        try:
+            fields = RoutingFields(session_id=session_id)
+        except ValidationError as exc:
+            raise validation_error(exc, "query") from exc
+        session = session_of(request.headers, fields)
         snap = cp.fleet.snapshot
         run = resolve_run(snap, run_id, "query.run_id")
+        await check_run(cp.fleet, snap, run)
         constraint: VersionConstraint = spec.constraint()
+        ahead = too_far_ahead(snap, run, constraint, settings.max_versions_ahead, "query")
+        if ahead is not None:
+            raise ahead
         if constraint.exact_version is not None:
             cp.fleet.note_exact(run, constraint.exact_version)
+        precisions = frozenset(precision) if precision else None
         engine = pick(
             snap,
             run,
             constraint,
-            precisions=frozenset(precision) if precision else None,
-            session_id=session_id or request.headers.get("x-session-id"),
+            precisions=precisions,
+            session_id=session,
             local_in_flight=cp.fleet.in_flight,
             now=time.time(),
         )
         if engine is None:
             cp.metrics.not_ready.labels("none_eligible").inc()
-            raise not_ready(snap, run, constraint, settings.default_retry_after_s, "none_eligible")
+            raise no_engine(
+                snap, run, constraint, precisions, settings.default_retry_after_s, "none_eligible"
+            )
         return RouteAnswer(
             engine_id=engine.engine_id,
             url=engine.url,

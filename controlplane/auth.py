@@ -133,6 +133,11 @@ class TokenChecker:
         self._cache[digest] = (role, time.monotonic() + self._cache_s)
         return role
 
+    def owner_key(self, authorization: str | None, role: Role) -> str | None:
+        """The credential an engine is bound to: the token's hash. None for an admin
+        token, which may act for any engine."""
+        return None if role is Role.ADMIN else self.digest(authorization)
+
     @staticmethod
     def check(role: Role | None, allowed: frozenset[Role]) -> Role:
         if role is None:

@@ -24,9 +24,11 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
         401: "missing or unknown bearer token",
         403: "the token's role may not call this route",
         404: "unknown run, engine or version",
-        409: "conflict; WeightVersionNotReady is retryable (see Retry-After)",
+        409: "conflict: WeightVersionNotReady is retryable (see Retry-After); "
+        "WeightVersionUnavailable and PrecisionNotServed are not",
         413: "request body over the configured limit",
         422: "invalid request; `field` names the offending field",
+        431: "request headers over the configured limit",
     }.items()
 }
 
@@ -82,6 +84,17 @@ class NoVersionYet(NotFound):
     pass
 
 
+class EngineNotOwned(Forbidden):
+    """The engine was registered with another credential; only that one (or an admin
+    token) may heartbeat as it, change it or deregister it."""
+
+
+class EngineUrlTaken(ApiError):
+    """Another credential holds a live registration for this engine URL."""
+
+    status = 409
+
+
 class RunExists(ApiError):
     status = 409
 
@@ -96,8 +109,24 @@ class InvalidRequest(ApiError):
     status = 422
 
 
+class VersionTooFarAhead(InvalidRequest):
+    """The requested version is further above the run's latest than any plausible wait."""
+
+
+class StoreUrlRefused(InvalidRequest):
+    """A run's store URL is outside the configured store roots."""
+
+
+class InvalidJson(InvalidRequest):
+    """The body is not JSON the control plane will read (encoding, nesting, numbers)."""
+
+
 class BodyTooLarge(ApiError):
     status = 413
+
+
+class HeadersTooLarge(ApiError):
+    status = 431
 
 
 class WeightVersionNotReady(ApiError):
@@ -109,6 +138,21 @@ class WeightVersionNotReady(ApiError):
     def __init__(self, message: str, retry_after_s: float, **extra: Any) -> None:
         super().__init__(message, **extra)
         self.headers = {"Retry-After": str(max(1, round(retry_after_s)))}
+
+
+class WeightVersionUnavailable(ApiError):
+    """No engine serves the version and none will: it is older than what the run's policy
+    keeps serviceable, or the store deleted it. Waiting does not help; ask for
+    `nearest_servable_version` (or a `min_version`) instead."""
+
+    status = 409
+
+
+class PrecisionNotServed(ApiError):
+    """The run has engines, none of them of the requested precision(s): widen `precision`
+    or register an engine of that precision."""
+
+    status = 409
 
 
 class NoEngineAvailable(ApiError):
@@ -143,6 +187,23 @@ def field_path(loc: Sequence[Any]) -> str:
     return ".".join(str(part) for part in loc)
 
 
+def unreadable_body(exc: StarletteHTTPException) -> InvalidJson | None:
+    """FastAPI answers a body its JSON decoder chokes on with a bare 400 ("There was an
+    error parsing the body"); name the problem instead, from the exception behind it."""
+    cause = exc.__cause__
+    if exc.status_code != 400 or cause is None:
+        return None
+    if isinstance(cause, UnicodeDecodeError):
+        problem = f"not valid UTF-8 (byte {cause.start}); send JSON encoded as UTF-8"
+    elif isinstance(cause, RecursionError):
+        problem = "JSON nested too deeply; flatten the document"
+    elif isinstance(cause, ValueError):
+        problem = f"not readable as JSON ({cause}); numbers must fit the field they fill"
+    else:
+        return None
+    return InvalidJson(f"body: {problem}", field="body")
+
+
 def install_handlers(app: FastAPI) -> None:
     async def on_api_error(_request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
@@ -167,6 +228,9 @@ def install_handlers(app: FastAPI) -> None:
 
     async def on_http(_request: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
+        unreadable = unreadable_body(exc)
+        if unreadable is not None:
+            return error_response(unreadable)
         names = {404: "NotFound", 405: "MethodNotAllowed", 413: "BodyTooLarge"}
         body = {
             "error": {

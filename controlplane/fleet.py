@@ -16,10 +16,12 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 
+from controlplane.catalog import Catalog
 from controlplane.metrics import Metrics
 from controlplane.registry import Registry
 from controlplane.runs import Runs
-from controlplane.snapshot import FleetSnapshot
+from controlplane.snapshot import FleetSnapshot, RunView
+from wire import PolicyKind
 
 log = logging.getLogger(__name__)
 
@@ -28,9 +30,17 @@ REAP_GRACE_S = 300.0
 
 
 class Fleet:
-    def __init__(self, registry: Registry, runs: Runs, metrics: Metrics, refresh_s: float) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        runs: Runs,
+        metrics: Metrics,
+        refresh_s: float,
+        catalog: Catalog | None = None,
+    ) -> None:
         self.registry = registry
         self.runs = runs
+        self.catalog = catalog
         self.metrics = metrics
         self.refresh_s = refresh_s
         self.snapshot = FleetSnapshot.empty()
@@ -63,12 +73,28 @@ class Fleet:
         if now - self._last_reap > REAP_GRACE_S:
             self._last_reap = now
             self.registry.reap(REAP_GRACE_S)
+        runs = self.runs.views()
+        wanted = self.registry.demand(now - DEMAND_HORIZON_S)
         return FleetSnapshot.build(
-            now,
-            self.registry.leased(now),
-            self.runs.views(),
-            self.registry.demand(now - DEMAND_HORIZON_S),
+            now, self.registry.leased(now), runs, wanted, self._held(runs, wanted)
         )
+
+    def _held(
+        self, runs: list[RunView], demand: dict[str, dict[int, float]]
+    ) -> dict[str, frozenset[int]]:
+        """The store's versions of each run that pins old versions, so a version `store gc`
+        deleted is never pinned: listed again whenever a newly demanded version is not in
+        the last listing (the existence check before a pin), else every `catalog.ttl_s`."""
+        if self.catalog is None:
+            return {}
+        held = {}
+        for run in runs:
+            if run.policy.kind is not PolicyKind.KEEP_PINNED:
+                continue
+            found = self.catalog.versions(run.run_id, run.store_url, demand.get(run.run_id, {}))
+            if found is not None:
+                held[run.run_id] = found
+        return held
 
     def install(self, snap: FleetSnapshot) -> None:
         self.snapshot = snap

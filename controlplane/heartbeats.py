@@ -25,7 +25,8 @@ from wire import Heartbeat
 
 log = logging.getLogger(__name__)
 
-Beat = tuple[str, Heartbeat]
+# (engine id, the report, the sender's token hash; None for an admin token)
+Beat = tuple[str, Heartbeat, str | None]
 # SQLite and PostgreSQL both take a few hundred short UPDATEs in one transaction easily.
 MAX_BATCH = 500
 
@@ -96,15 +97,19 @@ class Heartbeats:
         self.registry = registry
         self.runs = runs
         self.fleet = fleet
-        self.writer = GroupCommit(registry.heartbeat_many)
+        self.writer = GroupCommit(self._write)
 
-    async def answer(self, engine_id: str, beat: Heartbeat) -> bytes:
-        """The JSON reply (`HeartbeatReply`) to one heartbeat, after its commit."""
-        expires = await self.writer.submit((engine_id, beat))
+    def _write(self, beats: Sequence[Beat]) -> list[float | None]:
+        return self.registry.heartbeat_many([(e, b) for e, b, _ in beats], [o for *_, o in beats])
+
+    async def answer(self, engine_id: str, beat: Heartbeat, owner: str | None = None) -> bytes:
+        """The JSON reply (`HeartbeatReply`) to one heartbeat, after its commit. `owner`:
+        the sender's token hash (None for an admin); only the engine's owner renews it."""
+        expires = await self.writer.submit((engine_id, beat, owner))
         if expires is None:
-            raise EngineUnknown(
-                f"engine {engine_id!r} is not registered or its lease lapsed: register again"
-            )
+            # EngineNotOwned (403) or EngineUnknown (404): the failure path reads the row.
+            await asyncio.to_thread(self.registry.owned, engine_id, owner)
+            raise EngineUnknown(f"engine {engine_id!r} is not registered: register again")
         snap = self.fleet.snapshot
         seen = snap.engines.get(engine_id)
         if (

@@ -25,7 +25,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from controlplane.auth import CALLERS, ENGINE
 from controlplane.errors import ApiError, InternalError, InvalidRequest, error_response, field_path
-from wire import Heartbeat
+from wire import Heartbeat, Role
 
 if TYPE_CHECKING:
     from controlplane.services import Services
@@ -114,10 +114,10 @@ class HotPath:
         # Lower-case names; a repeated header keeps its last value (none of ours repeat).
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         try:
-            role = await self.cp.tokens.role_of(headers.get("authorization"))
-            self.cp.tokens.check(role, allowed)
+            found = await self.cp.tokens.role_of(headers.get("authorization"))
+            role = self.cp.tokens.check(found, allowed)
             raw = await read_body(receive)
-            response = await handler(raw, headers, arg)
+            response = await handler(raw, headers, arg, role)
         except ApiError as exc:
             response = error_response(exc)
         except ClientDisconnect:
@@ -129,12 +129,17 @@ class HotPath:
             response = error_response(InternalError("internal error; see the server log"))
         await response(scope, receive, send)
 
-    async def _generate(self, raw: bytes, headers: dict[str, str], kind: str) -> Response:
+    async def _generate(
+        self, raw: bytes, headers: dict[str, str], kind: str, _role: Role
+    ) -> Response:
         assert self.cp.proxy is not None
         return await self.cp.proxy.handle(kind, raw, headers)
 
-    async def _heartbeat(self, raw: bytes, _headers: dict[str, str], engine_id: str) -> Response:
-        reply = await self.cp.heartbeats.answer(engine_id, parse_heartbeat(raw))
+    async def _heartbeat(
+        self, raw: bytes, headers: dict[str, str], engine_id: str, role: Role
+    ) -> Response:
+        owner = self.cp.tokens.owner_key(headers.get("authorization"), role)
+        reply = await self.cp.heartbeats.answer(engine_id, parse_heartbeat(raw), owner)
         return Response(reply, media_type="application/json")
 
 

@@ -1,8 +1,10 @@
-"""ASGI middleware of the control plane: the request-body size limit and request metrics.
+"""ASGI middleware of the control plane: request size limits and request metrics.
 
-Owns refusing oversized bodies (413 in the shared error shape, checked on Content-Length
-and again while streaming a chunked body) and counting requests by route template and
-status. Pure ASGI so the hot path pays no extra task or buffering.
+Owns refusing oversized requests in the shared error shape: headers over the limit (431;
+the server's HTTP parser is capped too, see `controlplane/serving.py`) and bodies over the
+limit (413, checked on Content-Length and again while a chunked body streams in, whichever
+lane or route reads it), and counting requests by route template and status. Pure ASGI
+so the hot path pays no extra task or buffering.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 from prometheus_client import Counter
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from controlplane.errors import BodyTooLarge, error_response
+from controlplane.errors import BodyTooLarge, HeadersTooLarge, error_response
 from controlplane.metrics import Metrics
 
 
@@ -23,33 +25,72 @@ def _too_large(limit: int) -> BodyTooLarge:
     )
 
 
+def headers_too_large(limit: int) -> HeadersTooLarge:
+    return HeadersTooLarge(
+        f"request headers are larger than the limit of {limit} bytes: shorten them "
+        "(raise TETHER_MAX_HEADER_BYTES if this is expected)",
+        field="headers",
+        limit=limit,
+    )
+
+
 class BodyLimit:
-    def __init__(self, app: ASGIApp, limit: int) -> None:
+    """413 for a body over `limit`, 431 for headers over `header_limit` bytes in all."""
+
+    def __init__(self, app: ASGIApp, limit: int, header_limit: int = 64 * 1024) -> None:
         self.app = app
         self.limit = limit
+        self.header_limit = header_limit
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        header_bytes = 0
+        declared = None
         for name, value in scope["headers"]:
+            header_bytes += len(name) + len(value) + 4
             if name == b"content-length":
-                if value.isdigit() and int(value) > self.limit:
-                    await error_response(_too_large(self.limit))(scope, receive, send)
-                    return
-                break
+                declared = value
+        if header_bytes > self.header_limit:
+            await error_response(headers_too_large(self.header_limit))(scope, receive, send)
+            return
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            await error_response(_too_large(self.limit))(scope, receive, send)
+            return
         seen = 0
+        over = False
+        answered = False
 
         async def counted() -> Message:
-            nonlocal seen
+            nonlocal seen, over
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.limit:
+                    over = True
                     raise _too_large(self.limit)
             return message
 
-        await self.app(scope, counted, send)
+        async def guarded(message: Message) -> None:
+            # FastAPI turns an exception raised while it reads the body into its own 400;
+            # once the body passed the limit, the answer is the 413, whoever wrote another.
+            nonlocal answered
+            if over:
+                if not answered:
+                    answered = True
+                    await error_response(_too_large(self.limit))(scope, receive, send)
+                return
+            answered = answered or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted, guarded)
+        except BodyTooLarge:
+            if answered:
+                raise
+            answered = True
+            await error_response(_too_large(self.limit))(scope, receive, send)
 
 
 class RequestMetrics:

@@ -43,7 +43,10 @@ class VersionRow(Base):
 
 class EngineRow(Base):
     __tablename__ = "engines"
-    __table_args__ = (Index("ix_engines_lease", "lease_expires_at"),)
+    __table_args__ = (
+        Index("ix_engines_lease", "lease_expires_at"),
+        Index("ix_engines_url", "url"),
+    )
 
     engine_id: Mapped[str] = mapped_column(String(64), primary_key=True)
     run_id: Mapped[str] = mapped_column(String(128), index=True)
@@ -63,6 +66,8 @@ class EngineRow(Base):
     registered_at: Mapped[float] = mapped_column(Float)
     heartbeat_at: Mapped[float] = mapped_column(Float)
     lease_expires_at: Mapped[float] = mapped_column(Float)
+    # sha256 of the bearer token that registered the engine (see auth.hash_token).
+    owner: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
 
 class PinRow(Base):

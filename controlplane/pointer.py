@@ -17,14 +17,15 @@ if TYPE_CHECKING:
 
 
 @lru_cache(maxsize=64)
-def _store(url: str) -> Store:
+def open_store(url: str) -> Store:
+    """The store at `url`, opened once per process."""
     from store.store import Store
 
     return Store(url)
 
 
 def read_pointer(store_url: str, run_id: str) -> VersionRef | None:
-    return _store(store_url).read_pointer(run_id)
+    return open_store(store_url).read_pointer(run_id)
 
 
 def confirm_published(store_url: str, run_id: str, version: int) -> int:

@@ -2,15 +2,20 @@
 
 Owns the hot path from raw body to engine response: reading the Tether fields, choosing an
 engine (`router.pick`), forwarding with one shared keep-alive HTTP client, stamping the
-engine id and precision on the answer, passing server-sent events through, and the 409
-`WeightVersionNotReady` when no engine fits. Never touches the database; the only shared
-state it changes is the in-process in-flight count and the exact-version demand buffer.
+engine id and precision on the answer, passing server-sent events through (up to a byte
+cap per stream), and the typed refusal (`refusals.py`) when no engine fits. Any failure to
+forward to one engine (a bad URL, a refused connection, a broken answer) is that engine's
+failure: the next eligible engine is tried, and the client never sees a 500 for it. Touches
+the database only to tell an unknown run (404) from one the snapshot has not caught up
+with; the only shared state it changes is the in-process in-flight count and the
+exact-version demand buffer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Callable, Mapping
 from functools import partial
@@ -20,10 +25,11 @@ from pydantic import ValidationError
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from controlplane.errors import InvalidRequest, NoEngineAvailable, WeightVersionNotReady, field_path
+from controlplane.errors import ApiError, InvalidRequest, NoEngineAvailable, field_path
 from controlplane.fleet import Fleet
 from controlplane.metrics import Metrics
-from controlplane.router import pick, retry_after_s
+from controlplane.refusals import refusal, too_far_ahead
+from controlplane.router import pick
 from controlplane.snapshot import EngineView, FleetSnapshot
 from controlplane.upstream import Answer, Upstream, UpstreamError
 from store.types import VersionConstraint
@@ -32,8 +38,11 @@ from wire import (
     MAX_INT,
     RUN_HEADER,
     SESSION_HEADER,
+    SESSION_ID_MAX,
+    SESSION_ID_PATTERN,
     VERSION_END_HEADER,
     VERSION_START_HEADER,
+    Precision,
     RoutingFields,
     WeightVersionSpec,
 )
@@ -61,6 +70,8 @@ ENGINE_ID_RAW = ENGINE_ID_HEADER.lower().encode()
 VERSION_START_RAW = VERSION_START_HEADER.lower().encode()
 VERSION_END_RAW = VERSION_END_HEADER.lower().encode()
 PASSED_THROUGH = tuple(h.lower() for h in (VERSION_START_HEADER, VERSION_END_HEADER))
+SESSION_ID = re.compile(SESSION_ID_PATTERN)
+SESSION_FIELD = f"header.{SESSION_HEADER}"
 
 
 def open_client(timeout_s: float, connections: int = 2048) -> Upstream:
@@ -126,26 +137,38 @@ def resolve_run(snap: FleetSnapshot, run_id: str | None, field: str) -> str:
     )
 
 
-def not_ready(
+def session_of(headers: Mapping[str, str], fields: RoutingFields) -> str | None:
+    """The request's session id: the `X-Session-ID` header, checked as the body's
+    `session_id` is (it is forwarded to the engine as a header), else the body field."""
+    header = headers.get(SESSION_KEY)
+    if header is None:
+        return fields.session_id
+    if len(header) > SESSION_ID_MAX or SESSION_ID.match(header) is None:
+        raise InvalidRequest(
+            f"{SESSION_FIELD}: at most {SESSION_ID_MAX} printable ASCII characters "
+            f"(got {len(header)} characters); shorten it or hash it",
+            field=SESSION_FIELD,
+        )
+    return header or fields.session_id
+
+
+async def check_run(fleet: Fleet, snap: FleetSnapshot, run_id: str) -> None:
+    """`RunUnknown` (404) for a run that does not exist; a run created after the snapshot
+    was built passes (its requests wait like any other)."""
+    if run_id not in snap.runs:
+        await asyncio.to_thread(fleet.runs.get, run_id)
+
+
+def no_engine(
     snap: FleetSnapshot,
     run_id: str,
     constraint: VersionConstraint,
+    precisions: frozenset[Precision] | None,
     default_retry_s: float,
     reason: str,
-) -> WeightVersionNotReady:
-    run = snap.runs.get(run_id)
-    fleet_versions = {e.engine_id: e.applied_version for e in snap.run_engines(run_id)}
-    return WeightVersionNotReady(
-        f"no engine of run {run_id!r} serves {constraint.describe()} right now ({reason}); "
-        "retry after Retry-After seconds",
-        retry_after_s(snap, run_id, constraint, time.time(), default_retry_s),
-        requested={
-            "min_version": constraint.min_version,
-            "exact_version": constraint.exact_version,
-        },
-        latest_version=run.latest_version if run else None,
-        fleet_versions=fleet_versions,
-    )
+) -> ApiError:
+    """The typed refusal for a request no engine took (see `refusals.py`)."""
+    return refusal(snap, run_id, constraint, precisions, time.time(), default_retry_s, reason)
 
 
 class Proxy:
@@ -156,12 +179,16 @@ class Proxy:
         client: Upstream,
         attempts: int,
         default_retry_s: float,
+        max_versions_ahead: int = 1000,
+        max_stream_bytes: int = 64 * 1024 * 1024,
     ) -> None:
         self.fleet = fleet
         self.metrics = metrics
         self.client = client
         self.attempts = attempts
         self.default_retry_s = default_retry_s
+        self.max_versions_ahead = max_versions_ahead
+        self.max_stream_bytes = max_stream_bytes
 
     def choose(
         self,
@@ -187,9 +214,16 @@ class Proxy:
 
     async def handle(self, kind: str, raw: bytes, headers: Mapping[str, str]) -> Response:
         fields, constraint = parse_routing(raw)
+        session_id = session_of(headers, fields)
         snap = self.fleet.snapshot
         run_id = resolve_run(snap, fields.run_id or headers.get(RUN_KEY), "body.run_id")
-        session_id = headers.get(SESSION_KEY) or fields.session_id
+        await check_run(self.fleet, snap, run_id)
+        if not constraint.is_any:
+            ahead = too_far_ahead(
+                snap, run_id, constraint, self.max_versions_ahead, "body.weight_version"
+            )
+            if ahead is not None:
+                raise ahead
         if constraint.exact_version is not None:
             self.fleet.note_exact(run_id, constraint.exact_version)
         extra = ((SESSION_HEADER, session_id),) if session_id else ()
@@ -210,12 +244,19 @@ class Proxy:
                 if answer.status not in RETRY_STATUSES:
                     if fields.stream:
                         handed_over = True
-                        return EngineStream(engine, answer, partial(_release, in_flight, engine_id))
+                        release = partial(_release, in_flight, engine_id)
+                        return EngineStream(engine, answer, release, self.max_stream_bytes)
                     return _stamp(engine, answer)
                 if fields.stream:
                     answer.close()
             except UpstreamError as exc:
                 log.warning("engine %s at %s failed: %s", engine_id, engine.url, exc)
+                self.metrics.engine_retries.labels("transport").inc()
+                continue
+            except Exception as exc:
+                # Whatever broke (a URL the client cannot use, a bug in parsing the
+                # answer) broke on this engine: try the next one, never answer 500.
+                log.warning("forwarding to engine %s at %s failed: %r", engine_id, engine.url, exc)
                 self.metrics.engine_retries.labels("transport").inc()
                 continue
             finally:
@@ -231,7 +272,14 @@ class Proxy:
             )
         reason = "engines_refused" if tried else "none_eligible"
         self.metrics.not_ready.labels(reason).inc()
-        raise not_ready(self.fleet.snapshot, run_id, constraint, self.default_retry_s, reason)
+        raise no_engine(
+            self.fleet.snapshot,
+            run_id,
+            constraint,
+            fields.precisions(),
+            self.default_retry_s,
+            reason,
+        )
 
 
 def _release(in_flight: dict[str, int], engine_id: str) -> None:
@@ -276,11 +324,19 @@ class EngineStream(Response):
     """Relays an engine's server-sent events and always lets go of the engine.
 
     Whatever ends the relay (the engine finishing, the client disconnecting, a cancelled
-    task) the engine's in-flight count is given back; unless the engine finished, its
-    connection is closed, so the engine sees the client leave and stops generating.
+    task, the stream passing `max_bytes`) the engine's in-flight count is given back;
+    unless the engine finished, its connection is closed, so the engine sees the client
+    leave and stops generating. Past `max_bytes` the client gets one last event, an error
+    in the shared shape (`StreamTooLarge`), instead of more output.
     """
 
-    def __init__(self, engine: EngineView, answer: Answer, release: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        engine: EngineView,
+        answer: Answer,
+        release: Callable[[], None],
+        max_bytes: int = 64 * 1024 * 1024,
+    ) -> None:
         raw = [(ENGINE_ID_RAW, engine.engine_id.encode())]
         raw += [(h.encode(), answer.headers[h].encode("latin-1"))
                 for h in PASSED_THROUGH if h in answer.headers]  # fmt: skip
@@ -292,6 +348,7 @@ class EngineStream(Response):
         self.raw_headers = raw
         self.answer = answer
         self.release = release
+        self.max_bytes = max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         finished = False
@@ -300,8 +357,7 @@ class EngineStream(Response):
         try:
             await asyncio.wait((pump, watch), return_when=asyncio.FIRST_COMPLETED)
             if pump.done():
-                pump.result()
-                finished = True
+                finished = pump.result()
         finally:
             for task in (pump, watch):
                 task.cancel()
@@ -312,13 +368,34 @@ class EngineStream(Response):
             else:
                 self.answer.close()
 
-    async def _pump(self, send: Send) -> None:
+    async def _pump(self, send: Send) -> bool:
+        """Relay the stream; True if the engine finished it, False if it was cut off."""
         await send(
             {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
         )
+        sent = 0
         async for chunk in self.answer.chunks():
+            sent += len(chunk)
+            if sent > self.max_bytes:
+                await send({"type": "http.response.body", "body": self._cut_off()})
+                return False
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b""})
+        return True
+
+    def _cut_off(self) -> bytes:
+        error = {
+            "error": {
+                "type": "StreamTooLarge",
+                "message": f"the stream passed the router's limit of {self.max_bytes} bytes and "
+                "was stopped: ask for fewer tokens (max_new_tokens) or raise "
+                "TETHER_MAX_STREAM_BYTES",
+                "retryable": False,
+                "limit": self.max_bytes,
+            }
+        }
+        # The blank lines end any event the last chunk left open.
+        return b"\n\ndata: " + orjson.dumps(error) + b"\n\n"
 
 
 async def _until_disconnect(receive: Receive) -> None:

@@ -1,7 +1,10 @@
 """The fleet registry: engines register, heartbeat, deregister and hold leases.
 
 Owns the `engines` and `pins` rows. Each call is one short transaction, so a heartbeat
-costs one UPDATE. A lapsed lease is as good as gone: heartbeats for it answer
+costs one UPDATE. An engine belongs to the credential that registered it (`owner`, the
+token's hash): only that token (or an admin, who passes no owner) may heartbeat as it or
+deregister it, and registering the same URL again with the same token is the same engine.
+A lapsed lease is as good as gone: heartbeats for it answer
 `EngineUnknown` (the agent registers again) and snapshots leave it out. Never routes and
 never decides targets (that is `router.py` and `policy.py`).
 """
@@ -21,6 +24,7 @@ from sqlalchemy import (
     bindparam,
     case,
     delete,
+    or_,
     select,
     text,
     update,
@@ -29,7 +33,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 from controlplane.db import rows_affected
-from controlplane.errors import EngineUnknown, RunUnknown
+from controlplane.errors import EngineNotOwned, EngineUnknown, EngineUrlTaken, RunUnknown
 from controlplane.models import EngineRow, PinRow, RunRow
 from controlplane.snapshot import EngineView
 from wire import EngineRegister, Heartbeat, Precision, SyncState
@@ -41,6 +45,11 @@ _HEARTBEAT = (
     .where(
         _ENGINES.c.engine_id == bindparam("p_id"),
         _ENGINES.c.lease_expires_at > bindparam("p_now"),
+        or_(
+            bindparam("p_owner", type_=_ENGINES.c.owner.type).is_(None),
+            _ENGINES.c.owner.is_(None),
+            _ENGINES.c.owner == bindparam("p_owner"),
+        ),
     )
     .values(
         applied_version=bindparam("p_applied"),
@@ -65,7 +74,7 @@ _HEARTBEAT = (
 )
 
 # PostgreSQL: the whole batch is ONE statement in autocommit (atomic by itself), so one
-# round trip per batch: the beats travel as nine arrays, RETURNING names the renewed rows.
+# round trip per batch: the beats travel as arrays, RETURNING names the renewed rows.
 _HEARTBEAT_PG = text(
     """
     UPDATE engines AS e SET
@@ -83,14 +92,15 @@ _HEARTBEAT_PG = text(
     FROM unnest(
         CAST(:ids AS text[]), CAST(:applied AS integer[]), CAST(:states AS text[]),
         CAST(:targets AS integer[]), CAST(:progress AS float8[]), CAST(:started AS float8[]),
-        CAST(:in_flight AS integer[]), CAST(:errors AS text[])
-    ) AS v(id, applied, state, target, progress, started, in_flight, error)
+        CAST(:in_flight AS integer[]), CAST(:errors AS text[]), CAST(:owners AS text[])
+    ) AS v(id, applied, state, target, progress, started, in_flight, error, owner)
     WHERE e.engine_id = v.id AND e.lease_expires_at > :now
-    RETURNING e.engine_id
+        AND (v.owner IS NULL OR e.owner IS NULL OR e.owner = v.owner)
+    RETURNING e.engine_id, v.owner
     """
 )
 
-_RENEWED = select(_ENGINES.c.engine_id).where(
+_RENEWED = select(_ENGINES.c.engine_id, _ENGINES.c.owner).where(
     _ENGINES.c.engine_id.in_(bindparam("p_ids", expanding=True)),
     _ENGINES.c.lease_expires_at == bindparam("p_expires"),
 )
@@ -114,52 +124,84 @@ class Registry:
             if conn is not None:
                 conn.close()
 
-    def register(self, body: EngineRegister) -> tuple[str, float]:
-        """Add an engine; return its id and lease expiry."""
+    def register(self, body: EngineRegister, owner: str | None) -> tuple[str, float]:
+        """Add an engine, or renew the registration `owner` already holds for this URL;
+        return its id and lease expiry. `owner` None (an admin) may take over any URL."""
         now = time.time()
-        engine_id = uuid.uuid4().hex
+        url = body.url.rstrip("/")
         with self._sessions.begin() as db:
             if db.get(RunRow, body.run_id) is None:
                 raise RunUnknown(
                     f"run {body.run_id!r} does not exist: create it first (POST /v1/runs)",
                     field="body.run_id",
                 )
-            db.add(
-                EngineRow(
-                    engine_id=engine_id,
-                    run_id=body.run_id,
-                    url=body.url.rstrip("/"),
-                    precision=body.precision.value,
-                    engine_kind=body.engine_kind.value,
-                    accelerator=body.accelerator,
-                    capacity=body.capacity,
-                    labels=dict(body.labels),
-                    applied_version=body.applied_version,
-                    sync_state=body.sync_state.value,
-                    staging_target=None,
-                    staging_progress=0.0,
-                    staging_started_at=None,
-                    in_flight=0,
-                    last_error=None,
-                    registered_at=now,
-                    heartbeat_at=now,
-                    lease_expires_at=now + self.lease_seconds,
-                )
-            )
-        return engine_id, now + self.lease_seconds
+            kept: EngineRow | None = None
+            for row in db.scalars(select(EngineRow).where(EngineRow.url == url)):
+                live = row.lease_expires_at > now
+                others = owner is not None and row.owner not in (None, owner)
+                if live and others:
+                    raise EngineUrlTaken(
+                        f"engine URL {url!r} is registered by another credential: register "
+                        "with that engine's token, or wait until its lease lapses",
+                        field="body.url",
+                    )
+                if kept is None and not others:
+                    kept = row
+                else:
+                    # One agent, one routing entry: older or lapsed duplicates go.
+                    db.delete(row)
+            engine = kept or EngineRow(engine_id=uuid.uuid4().hex, registered_at=now)
+            engine.run_id = body.run_id
+            engine.url = url
+            engine.precision = body.precision.value
+            engine.engine_kind = body.engine_kind.value
+            engine.accelerator = body.accelerator
+            engine.capacity = body.capacity
+            engine.labels = dict(body.labels)
+            engine.applied_version = body.applied_version
+            engine.sync_state = body.sync_state.value
+            engine.staging_target = None
+            engine.staging_progress = 0.0
+            engine.staging_started_at = None
+            engine.in_flight = 0
+            engine.last_error = None
+            engine.heartbeat_at = now
+            engine.lease_expires_at = now + self.lease_seconds
+            engine.owner = owner if kept is None or owner is not None else kept.owner
+            if kept is None:
+                db.add(engine)
+            return engine.engine_id, now + self.lease_seconds
 
-    def heartbeat(self, engine_id: str, beat: Heartbeat) -> float:
+    def owned(self, engine_id: str, owner: str | None) -> None:
+        """Raise `EngineUnknown` or `EngineNotOwned` unless `owner` may act as the engine."""
+        with self._sessions() as db:
+            row = db.get(EngineRow, engine_id)
+            if row is None or row.lease_expires_at <= time.time():
+                raise EngineUnknown(
+                    f"engine {engine_id!r} is not registered or its lease lapsed: register again"
+                )
+            if owner is not None and row.owner not in (None, owner):
+                raise EngineNotOwned(
+                    f"engine {engine_id!r} was registered with another token; only that token "
+                    "(or an admin token) may heartbeat as it, change it or deregister it"
+                )
+
+    def heartbeat(self, engine_id: str, beat: Heartbeat, owner: str | None = None) -> float:
         """Renew one lease and record the report; return the new lease expiry."""
-        expires = self.heartbeat_many([(engine_id, beat)])[0]
+        expires = self.heartbeat_many([(engine_id, beat)], [owner])[0]
         if expires is None:
-            raise EngineUnknown(
-                f"engine {engine_id!r} is not registered or its lease lapsed: register again"
-            )
+            self.owned(engine_id, owner)
+            raise EngineUnknown(f"engine {engine_id!r} is not registered: register again")
         return expires
 
-    def heartbeat_many(self, beats: Sequence[tuple[str, Heartbeat]]) -> list[float | None]:
+    def heartbeat_many(
+        self,
+        beats: Sequence[tuple[str, Heartbeat]],
+        owners: Sequence[str | None] | None = None,
+    ) -> list[float | None]:
         """Apply many heartbeats in ONE transaction (group commit); per beat, the new lease
-        expiry, or None where the engine is unknown or its lease already lapsed.
+        expiry, or None where the engine is unknown, its lease already lapsed, or the
+        beat's `owners` entry (the sender's token hash; None for an admin) does not own it.
 
         PostgreSQL: one UPDATE ... FROM unnest(...) RETURNING in autocommit, one round trip.
         SQLite (in process, no round trips): an executemany of the UPDATE, then a SELECT of
@@ -167,22 +209,31 @@ class Registry:
         """
         now = time.time()
         expires = now + self.lease_seconds
+        owners = list(owners) if owners is not None else [None] * len(beats)
         if self._postgres:
-            renewed = self._renew_postgres(beats, now, expires)
+            renewed = self._renew_postgres(beats, owners, now, expires)
         else:
-            renewed = self._renew_sqlite(beats, now, expires)
-        return [expires if engine_id in renewed else None for engine_id, _ in beats]
+            renewed = self._renew_sqlite(beats, owners, now, expires)
+        return [
+            expires if (engine_id, owner) in renewed else None
+            for (engine_id, _), owner in zip(beats, owners, strict=True)
+        ]
 
     def _renew_postgres(
-        self, beats: Sequence[tuple[str, Heartbeat]], now: float, expires: float
-    ) -> set[str]:
-        # One row per engine (its last beat in the batch): UPDATE ... FROM must not match a
-        # target row twice.
-        latest = dict(beats)
+        self,
+        beats: Sequence[tuple[str, Heartbeat]],
+        owners: Sequence[str | None],
+        now: float,
+        expires: float,
+    ) -> set[tuple[str, str | None]]:
+        # One row per (engine, sender), its last beat in the batch. Only the rows whose
+        # sender owns the engine pass the WHERE clause, so a stranger's beat in the same
+        # batch never stands in for the owner's.
+        latest = {(e, o): b for (e, b), o in zip(beats, owners, strict=True)}
         params = {
             "now": now,
             "expires": expires,
-            "ids": list(latest),
+            "ids": [e for e, _ in latest],
             "applied": [b.applied_version for b in latest.values()],
             "states": [b.sync_state.value for b in latest.values()],
             "targets": [b.staging_target for b in latest.values()],
@@ -190,6 +241,7 @@ class Registry:
             "started": [now if b.staging_target is not None else None for b in latest.values()],
             "in_flight": [b.in_flight for b in latest.values()],
             "errors": [b.last_error for b in latest.values()],
+            "owners": [o for _, o in latest],
         }
         with self._beat_lock:
             for attempt in (1, 2):
@@ -198,7 +250,8 @@ class Registry:
                         isolation_level="AUTOCOMMIT"
                     )
                 try:
-                    return set(self._beat_conn.execute(_HEARTBEAT_PG, params).scalars())
+                    rows = self._beat_conn.execute(_HEARTBEAT_PG, params).all()
+                    return {(r[0], r[1]) for r in rows}
                 except DBAPIError as exc:
                     conn, self._beat_conn = self._beat_conn, None
                     conn.close()
@@ -208,11 +261,16 @@ class Registry:
         raise AssertionError("unreachable: the loop returns or raises")
 
     def _renew_sqlite(
-        self, beats: Sequence[tuple[str, Heartbeat]], now: float, expires: float
-    ) -> set[str]:
+        self,
+        beats: Sequence[tuple[str, Heartbeat]],
+        owners: Sequence[str | None],
+        now: float,
+        expires: float,
+    ) -> set[tuple[str, str | None]]:
         params = [
             {
                 "p_id": engine_id,
+                "p_owner": owner,
                 "p_now": now,
                 "p_applied": beat.applied_version,
                 "p_state": beat.sync_state.value,
@@ -223,17 +281,32 @@ class Registry:
                 "p_error": beat.last_error,
                 "p_expires": expires,
             }
-            for engine_id, beat in beats
+            for (engine_id, beat), owner in zip(beats, owners, strict=True)
         ]
         ids = list({engine_id for engine_id, _ in beats})
         with self._db.begin() as conn:
             conn.execute(_HEARTBEAT, params)
-            return set(conn.execute(_RENEWED, {"p_ids": ids, "p_expires": expires}).scalars())
+            renewed = conn.execute(_RENEWED, {"p_ids": ids, "p_expires": expires}).all()
+        owner_of = {r[0]: r[1] for r in renewed}
+        return {
+            (engine_id, owner)
+            for (engine_id, _), owner in zip(beats, owners, strict=True)
+            if engine_id in owner_of and (owner is None or owner_of[engine_id] in (None, owner))
+        }
 
-    def deregister(self, engine_id: str) -> None:
+    def deregister(self, engine_id: str, owner: str | None = None) -> None:
+        """Remove the engine; `owner` (the caller's token hash, None for an admin) must
+        own it."""
         with self._sessions.begin() as db:
-            deleted = db.execute(delete(EngineRow).where(EngineRow.engine_id == engine_id))
-            if rows_affected(deleted) == 0:
+            stmt = delete(EngineRow).where(EngineRow.engine_id == engine_id)
+            if owner is not None:
+                stmt = stmt.where(or_(EngineRow.owner.is_(None), EngineRow.owner == owner))
+            if rows_affected(db.execute(stmt)) == 0:
+                if db.get(EngineRow, engine_id) is not None:
+                    raise EngineNotOwned(
+                        f"engine {engine_id!r} was registered with another token; only that "
+                        "token (or an admin token) may deregister it"
+                    )
                 raise EngineUnknown(f"engine {engine_id!r} is not registered")
 
     def leased(self, now: float | None = None) -> list[EngineView]:

@@ -7,14 +7,16 @@ Never writes to the store.
 
 from __future__ import annotations
 
+import os
 import time
+from collections.abc import Sequence
 
 from sqlalchemy import or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from controlplane.db import rows_affected
-from controlplane.errors import RunExists, RunUnknown
+from controlplane.errors import RunExists, RunUnknown, StoreUrlRefused
 from controlplane.models import RunRow, VersionRow
 from controlplane.snapshot import RunView
 from store.types import VersionKind
@@ -43,15 +45,50 @@ def version_info(row: VersionRow) -> VersionInfo:
     )
 
 
+def _location(url: str) -> tuple[str, str]:
+    """(scheme, where) of a store URL; folders and file:// URLs as resolved real paths, so
+    `..` and symbolic links cannot step out of a root."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "file", url
+    if scheme == "file":
+        return "file", os.path.realpath(rest)
+    return scheme, rest.rstrip("/")
+
+
+def store_allowed(url: str, roots: Sequence[str]) -> bool:
+    """Whether `url` is one of `roots` or lies under one of them (same scheme)."""
+    scheme, where = _location(url)
+    for root in roots:
+        root_scheme, root_where = _location(root)
+        if scheme == root_scheme and (
+            where == root_where or where.startswith(root_where.rstrip("/") + "/")
+        ):
+            return True
+    return False
+
+
 class Runs:
-    def __init__(self, sessions: sessionmaker[Session], default_store: str) -> None:
+    def __init__(
+        self, sessions: sessionmaker[Session], default_store: str, roots: Sequence[str] = ()
+    ) -> None:
         self._sessions = sessions
         self.default_store = default_store
+        # The control plane reads runs' pointers and listings: only where it is allowed.
+        self.roots = list(roots) or [default_store]
 
     def create(self, body: RunCreate) -> RunInfo:
+        store_url = body.store_url or self.default_store
+        if not store_allowed(store_url, self.roots):
+            raise StoreUrlRefused(
+                f"body.store_url: {store_url!r} is outside the store roots this control plane "
+                f"may read ({', '.join(self.roots)}): use a store under one of them, or add "
+                "its root to TETHER_STORE_ROOTS (comma-separated)",
+                field="body.store_url",
+            )
         run = RunRow(
             run_id=body.run_id,
-            store_url=body.store_url or self.default_store,
+            store_url=store_url,
             base_checkpoint=body.base_checkpoint,
             canonical_dtype=body.canonical_dtype,
             boot_version=body.boot_version,
@@ -84,7 +121,12 @@ class Runs:
         with self._sessions() as db:
             rows = db.execute(
                 select(
-                    RunRow.run_id, RunRow.latest_version, RunRow.policy, VersionRow.published_at
+                    RunRow.run_id,
+                    RunRow.latest_version,
+                    RunRow.policy,
+                    VersionRow.published_at,
+                    RunRow.store_url,
+                    RunRow.boot_version,
                 ).join(
                     VersionRow,
                     (VersionRow.run_id == RunRow.run_id)
@@ -92,7 +134,17 @@ class Runs:
                     isouter=True,
                 )
             ).all()
-        return [RunView(r[0], r[1], r[3], TargetPolicy.model_validate(r[2])) for r in rows]
+        return [
+            RunView(
+                run_id=r[0],
+                latest_version=r[1],
+                latest_published_at=r[3],
+                policy=TargetPolicy.model_validate(r[2]),
+                store_url=r[4],
+                boot_version=r[5],
+            )
+            for r in rows
+        ]
 
     def set_policy(self, run_id: str, policy: TargetPolicy) -> RunInfo:
         with self._sessions.begin() as db:
@@ -141,6 +193,14 @@ class Runs:
             stmt = stmt.where(VersionRow.version > after)
         with self._sessions() as db:
             return [version_info(v) for v in db.scalars(stmt.order_by(VersionRow.version))]
+
+    def has_version(self, run_id: str, version: int) -> bool:
+        """Whether `version` is the run's boot version or one it recorded as published."""
+        with self._sessions() as db:
+            run = db.get(RunRow, run_id)
+            if run is None:
+                raise RunUnknown(f"run {run_id!r} does not exist (list runs: GET /v1/runs)")
+            return version == run.boot_version or db.get(VersionRow, (run_id, version)) is not None
 
     def latest(self, run_id: str) -> VersionInfo | None:
         with self._sessions() as db:

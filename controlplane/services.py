@@ -13,6 +13,7 @@ from typing import Any
 
 from controlplane import db as dbmod
 from controlplane.auth import TokenChecker
+from controlplane.catalog import Catalog
 from controlplane.fleet import Fleet
 from controlplane.heartbeats import Heartbeats
 from controlplane.metrics import Metrics
@@ -25,7 +26,8 @@ from controlplane.settings import ControlPlaneSettings
 @dataclass
 class Services:
     """Everything one control-plane process holds, built from its settings: the database,
-    the token checker, registry, runs, fleet snapshot, metrics, heartbeat writer and proxy."""
+    the token checker, registry, runs, fleet snapshot, metrics, heartbeat writer, the
+    store catalog and proxy."""
 
     settings: ControlPlaneSettings
     engine: Any
@@ -36,6 +38,7 @@ class Services:
     fleet: Fleet
     metrics: Metrics
     heartbeats: Heartbeats
+    catalog: Catalog
     proxy: Proxy | None = None
     first_admin_token: str | None = None
     version_events: list[asyncio.Event] = field(default_factory=list)
@@ -46,8 +49,10 @@ class Services:
         sessions = dbmod.session_factory(engine)
         metrics = Metrics()
         registry = Registry(sessions, settings.lease_seconds)
-        runs = Runs(sessions, settings.store)
-        fleet = Fleet(registry, runs, metrics, settings.snapshot_refresh_s)
+        roots = [r.strip() for r in settings.store_roots.split(",") if r.strip()]
+        runs = Runs(sessions, settings.store, roots)
+        catalog = Catalog(settings.catalog_ttl_s)
+        fleet = Fleet(registry, runs, metrics, settings.snapshot_refresh_s, catalog)
         return cls(
             settings=settings,
             engine=engine,
@@ -58,6 +63,7 @@ class Services:
             fleet=fleet,
             metrics=metrics,
             heartbeats=Heartbeats(registry, runs, fleet),
+            catalog=catalog,
         )
 
     def wake_version_waiters(self) -> None:

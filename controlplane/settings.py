@@ -22,6 +22,20 @@ class ControlPlaneSettings(BaseSettings):
     lease_seconds: float = Field(default=10.0, gt=0)
     heartbeat_interval_s: float = Field(default=2.0, gt=0)
     max_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0)
+    # All request headers together (431 past it; the HTTP parser is capped just above).
+    max_header_bytes: int = Field(default=64 * 1024, gt=0)
+    # One streamed answer relayed by the router; past it the stream ends with an error event.
+    max_stream_bytes: int = Field(default=64 * 1024 * 1024, gt=0)
+    # A requested version more than this far above the run's latest is refused (422) as a
+    # mistake: no plausible wait is that many publishes long.
+    max_versions_ahead: int = Field(default=1000, ge=0)
+    # Where runs' store URLs may point: comma-separated folders or URL prefixes
+    # (file:// folders, s3://bucket/prefix). Empty: only under `store`.
+    store_roots: str = ""
+    # How long a listing of a run's versions in the store is reused.
+    catalog_ttl_s: float = Field(default=5.0, gt=0)
+    # On SIGTERM, open requests (long-polls, streams) get this long before they are cut.
+    shutdown_grace_s: float = Field(default=2.0, ge=0)
     # How stale the in-process fleet snapshot may get before it is reloaded from the DB.
     snapshot_refresh_s: float = Field(default=0.5, gt=0)
     # Long-polls re-check the shared DB this often, so they work across replicas.

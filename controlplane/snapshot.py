@@ -52,6 +52,8 @@ class RunView:
     latest_version: int | None
     latest_published_at: float | None
     policy: TargetPolicy
+    store_url: str = ""
+    boot_version: int = 0
 
 
 @dataclass
@@ -84,6 +86,9 @@ class FleetSnapshot:
     groups: dict[tuple[str, Precision], Group]
     targets: dict[str, int | None]
     demand: dict[str, dict[int, float]] = field(default_factory=dict)
+    # The versions the store still holds, for the runs whose policy pins old versions
+    # (absent: not listed, e.g. follow_latest runs or an unreadable store).
+    available: dict[str, frozenset[int]] = field(default_factory=dict)
 
     @classmethod
     def empty(cls) -> FleetSnapshot:
@@ -96,6 +101,7 @@ class FleetSnapshot:
         engines: Iterable[EngineView],
         runs: Iterable[RunView],
         demand: Mapping[str, Mapping[int, float]],
+        available: Mapping[str, frozenset[int]] | None = None,
     ) -> FleetSnapshot:
         by_id = {e.engine_id: e for e in engines if e.lease_expires_at > now}
         run_map = {r.run_id: r for r in runs}
@@ -113,6 +119,7 @@ class FleetSnapshot:
                 versions=[e.applied_version for e in members],  # type: ignore[misc]
                 seeds=np.array([engine_seed(e.engine_id) for e in members], dtype=np.uint64),
             )
+        available = dict(available or {})
         targets: dict[str, int | None] = {}
         for run_id, members in per_run.items():
             run = run_map.get(run_id)
@@ -133,9 +140,18 @@ class FleetSnapshot:
                     ),
                     demand.get(run_id, {}),
                     now,
+                    available.get(run_id),
                 )
             )
-        return cls(now, by_id, run_map, groups, targets, {k: dict(v) for k, v in demand.items()})
+        return cls(
+            now,
+            by_id,
+            run_map,
+            groups,
+            targets,
+            {k: dict(v) for k, v in demand.items()},
+            available,
+        )
 
     def run_engines(self, run_id: str) -> list[EngineView]:
         return [e for e in self.engines.values() if e.run_id == run_id]

@@ -54,7 +54,10 @@ class Origin:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise UpstreamError(f"engine url {url!r}: expected http://host:port or https://...")
-        port = parts.port or (443 if parts.scheme == "https" else 80)
+        try:
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+        except ValueError as exc:  # a port that is not a number, or out of range
+            raise UpstreamError(f"engine url {url!r}: {exc}") from exc
         return cls(
             scheme=parts.scheme,
             host=parts.hostname,

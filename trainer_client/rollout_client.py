@@ -4,7 +4,11 @@ Owns the trainer's request side: turning `min_version` / `exact_version` / `max_
 `weight_version` field (with `max_lag`, min = latest − lag, latest read from the control plane
 and cached briefly), retrying a retryable answer (409 `WeightVersionNotReady`, 503) with
 exponential backoff and full jitter, honouring `Retry-After`, until a deadline, and counting
-every retry. It never chooses an engine (the router does) and never accepts an answer whose
+every retry. A refusal that waiting cannot change fails at once with its own exception:
+`VersionUnavailable` (the version will not be served again; it carries the nearest
+servable version), `PrecisionUnavailable` (no engine of that precision), and
+`RolloutRequestInvalid` for every other 4xx (unknown run, impossible constraint).
+It never chooses an engine (the router does) and never accepts an answer whose
 stamped version breaks the request's constraint: such an answer raises
 `ConstraintViolated`, because a trainer must not learn from tokens of the wrong policy.
 """
@@ -34,8 +38,6 @@ from wire import SESSION_HEADER
 
 log = logging.getLogger(__name__)
 
-RETRYABLE_STATUSES = frozenset({409, 503})
-
 
 class RolloutError(RuntimeError):
     """A rollout request failed for good; the message says why and what to change."""
@@ -43,6 +45,25 @@ class RolloutError(RuntimeError):
 
 class RolloutRequestInvalid(RolloutError):
     """The control plane refused the request itself (4xx other than 409). Do not retry."""
+
+
+class VersionUnavailable(RolloutRequestInvalid):
+    """409 `WeightVersionUnavailable`: no engine serves the exact version and none will
+    (older than the run's policy keeps, or garbage-collected). Ask for
+    `nearest_servable_version` (or a `min_version`) instead."""
+
+    def __init__(self, message: str, nearest_servable_version: int | None) -> None:
+        super().__init__(message)
+        self.nearest_servable_version = nearest_servable_version
+
+
+class PrecisionUnavailable(RolloutRequestInvalid):
+    """409 `PrecisionNotServed`: the run has engines, none of the requested precision.
+    Widen `precision` or start an engine of that precision."""
+
+    def __init__(self, message: str, fleet_precisions: list[str]) -> None:
+        super().__init__(message)
+        self.fleet_precisions = fleet_precisions
 
 
 class RolloutDeadlineExceeded(RolloutError):
@@ -89,6 +110,35 @@ def retry_after_seconds(headers: Mapping[str, str]) -> float | None:
         return max(0.0, float(value))
     except ValueError:
         return None
+
+
+def error_of(response: httpx.Response) -> dict[str, Any]:
+    """The `error` object of a Tether error answer ({} for any other body)."""
+    try:
+        body = response.json()
+    except ValueError:
+        return {}
+    error = body.get("error") if isinstance(body, dict) else None
+    return error if isinstance(error, dict) else {}
+
+
+def refusal_of(path: str, response: httpx.Response) -> RolloutRequestInvalid | None:
+    """The exception for an answer that must not be retried; None for a retryable one
+    (409 `WeightVersionNotReady` or any 409 that says `retryable`, and 503)."""
+    status = response.status_code
+    if status == 503:
+        return None
+    error = error_of(response)
+    message = f"{path} answered {status}: {error_text(response)}"
+    if status == 409:
+        kind = error.get("type")
+        if kind == "WeightVersionUnavailable":
+            return VersionUnavailable(message, error.get("nearest_servable_version"))
+        if kind == "PrecisionNotServed":
+            return PrecisionUnavailable(message, list(error.get("fleet_precisions", [])))
+        if error.get("retryable", kind == "WeightVersionNotReady"):
+            return None
+    return RolloutRequestInvalid(message)
 
 
 def backoff_delay(attempt: int, base_s: float, cap_s: float) -> float:
@@ -322,8 +372,8 @@ class RolloutClient:
         precision: str | Sequence[str] | None,
         deadline_s: float | None,
     ) -> tuple[Any, Delivery]:
-        """POST with retries on 409/503 and transport errors until the deadline; the
-        answer's JSON and how it arrived."""
+        """POST with retries on retryable answers (409 `WeightVersionNotReady`, 503) and
+        transport errors until the deadline; the answer's JSON and how it arrived."""
         if not constraint.is_any:
             body["weight_version"] = {
                 "min_version": constraint.min_version,
@@ -348,10 +398,9 @@ class RolloutClient:
                 if response.status_code == 200:
                     delivery = Delivery(response.headers, constraint, retries, not_ready)
                     return response.json(), delivery
-                if response.status_code not in RETRYABLE_STATUSES:
-                    raise RolloutRequestInvalid(
-                        f"{path} answered {response.status_code}: {error_text(response)}"
-                    )
+                refused = refusal_of(path, response)
+                if refused is not None:
+                    raise refused
                 if response.status_code == 409:
                     self.stats.retries_409 += 1
                     not_ready += 1

@@ -30,7 +30,9 @@ from wire.engines import (
 from wire.errors import (
     ErrorBody,
     ErrorDetail,
+    PrecisionNotServedDetail,
     WeightVersionNotReadyDetail,
+    WeightVersionUnavailableDetail,
 )
 from wire.fleet import (
     GapAccepted,
@@ -41,6 +43,8 @@ from wire.headers import (
     ENGINE_ID_HEADER,
     RUN_HEADER,
     SESSION_HEADER,
+    SESSION_ID_MAX,
+    SESSION_ID_PATTERN,
     VERSION_END_HEADER,
     VERSION_START_HEADER,
 )
@@ -74,6 +78,8 @@ __all__ = [
     "RUN_HEADER",
     "SERVING_STATES",
     "SESSION_HEADER",
+    "SESSION_ID_MAX",
+    "SESSION_ID_PATTERN",
     "VERSION_END_HEADER",
     "VERSION_START_HEADER",
     "EngineInfo",
@@ -91,6 +97,7 @@ __all__ = [
     "PolicyKind",
     "Precision",
     "PrecisionGap",
+    "PrecisionNotServedDetail",
     "Role",
     "RouteAnswer",
     "RoutingFields",
@@ -109,4 +116,5 @@ __all__ = [
     "VersionNotify",
     "WeightVersionNotReadyDetail",
     "WeightVersionSpec",
+    "WeightVersionUnavailableDetail",
 ]

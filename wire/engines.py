@@ -8,8 +8,9 @@ control plane.
 from __future__ import annotations
 
 from enum import StrEnum
+from urllib.parse import urlsplit
 
-from pydantic import Field, StrictInt
+from pydantic import Field, StrictInt, field_validator
 
 from wire.body import MAX_INT, TetherModel, Version
 
@@ -43,6 +44,31 @@ class SyncState(StrEnum):
 SERVING_STATES = frozenset({SyncState.READY, SyncState.SYNCING})
 
 
+def check_engine_url(url: str) -> str:
+    """An engine URL the router can forward to: http(s), a host, a numeric port in range,
+    no credentials, query or fragment. Raises ValueError saying what to fix."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"scheme {parts.scheme!r} is not http or https; use http://host:port")
+    if not parts.hostname:
+        raise ValueError("no host; use http://host:port")
+    try:
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError(
+            f"port in {parts.netloc!r} is not a number from 1 to 65535; use http://host:port"
+        ) from exc
+    if port == 0:
+        raise ValueError("port 0 cannot be connected to; use the port the engine listens on")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError("credentials in the URL are not allowed; engines are called without")
+    if parts.query or parts.fragment or "?" in url or "#" in url:
+        raise ValueError("a query or fragment is not allowed; give the engine's base URL")
+    if any(c.isspace() or ord(c) < 32 for c in url):
+        raise ValueError("whitespace or control characters are not allowed")
+    return url
+
+
 class EngineRegister(TetherModel):
     url: str = Field(min_length=1, max_length=2000, pattern=r"^https?://")
     run_id: str = Field(min_length=1, max_length=128)
@@ -53,6 +79,11 @@ class EngineRegister(TetherModel):
     labels: dict[str, str] = Field(default_factory=dict)
     applied_version: Version | None = Field(default=None, ge=0, le=MAX_INT)
     sync_state: SyncState = SyncState.BOOTING
+
+    @field_validator("url")
+    @classmethod
+    def _routable(cls, url: str) -> str:
+        return check_engine_url(url)
 
 
 class EngineRegistered(TetherModel):

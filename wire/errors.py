@@ -36,3 +36,24 @@ class WeightVersionNotReadyDetail(ErrorDetail):
     requested: dict[str, int | None]
     latest_version: int | None = None
     fleet_versions: dict[str, int | None] = Field(default_factory=dict)
+
+
+class WeightVersionUnavailableDetail(ErrorDetail):
+    """409 that will not change by waiting: no engine serves the version, and none
+    will (it is older than what engines keep, or the store deleted it). Not retryable;
+    `nearest_servable_version` is the closest version a request could get instead."""
+
+    type: Literal["WeightVersionUnavailable"] = "WeightVersionUnavailable"
+    retryable: bool = False
+    requested: dict[str, int | None]
+    latest_version: int | None = None
+    nearest_servable_version: int | None = None
+
+
+class PrecisionNotServedDetail(ErrorDetail):
+    """409: the run has engines, but none of the requested precision(s). Not retryable."""
+
+    type: Literal["PrecisionNotServed"] = "PrecisionNotServed"
+    retryable: bool = False
+    requested_precisions: list[str]
+    fleet_precisions: list[str]

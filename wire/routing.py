@@ -7,11 +7,12 @@ every other field passes through untouched. Imports pydantic and the store vocab
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 from store.types import VersionConstraint
 from wire.body import MAX_INT, TetherModel, Version
 from wire.engines import Precision
+from wire.headers import SESSION_ID_MAX, SESSION_ID_PATTERN
 
 
 class WeightVersionSpec(TetherModel):
@@ -37,11 +38,24 @@ class RoutingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     weight_version: WeightVersionSpec | None = None
+    # An empty list could never be served: it is refused, not retried.
     precision: Precision | list[Precision] | None = None
     # Forwarded to the engine as a header, so printable ASCII only.
-    session_id: str | None = Field(default=None, max_length=512, pattern=r"^[ -~]*$")
+    session_id: str | None = Field(
+        default=None, max_length=SESSION_ID_MAX, pattern=SESSION_ID_PATTERN
+    )
     run_id: str | None = Field(default=None, max_length=128)
-    stream: bool = False
+    # Strict: "yes" or 1 is a mistake to name, not a truthy value to guess at.
+    stream: StrictBool = False
+
+    @field_validator("precision")
+    @classmethod
+    def _some_precision(
+        cls, value: Precision | list[Precision] | None
+    ) -> Precision | list[Precision] | None:
+        if isinstance(value, list) and not value:
+            raise ValueError("an empty list matches no engine: name a precision or omit it")
+        return value
 
     def precisions(self) -> frozenset[Precision] | None:
         if self.precision is None:

@@ -8,6 +8,7 @@ engine stand-in processes. Everything listens on 127.0.0.1 with random free port
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 import uuid
@@ -32,7 +33,8 @@ def publish(store_root: Path, run_id: str, version: int) -> None:
     name = f"weight_v{version:06d}"
     folder = store_root / run_id / "updates" / name
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "model.safetensors.index.json").write_text('{"metadata": {}, "weight_map": {}}')
+    index = {"metadata": {"version": f"{version:06d}"}, "weight_map": {}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     (store_root / run_id / "latest").write_text(f"{run_id}/{name}")
 
 

@@ -26,10 +26,10 @@ def registry(db_url: str, tmp_path) -> Iterator[Registry]:  # type: ignore[no-un
     engine.dispose()
 
 
-def register(registry: Registry, n: int) -> list[str]:
+def register(registry: Registry, n: int, owner: str | None = None) -> list[str]:
     body = {"run_id": "r", "precision": "bf16", "applied_version": 0, "sync_state": "ready"}
     return [
-        registry.register(EngineRegister(url=f"http://10.0.0.{i}:8000", **body))[0]
+        registry.register(EngineRegister(url=f"http://10.0.0.{i}:8000", **body), owner)[0]
         for i in range(n)
     ]
 
@@ -72,3 +72,15 @@ def test_a_batch_keeps_the_staging_clock_while_the_target_stays_the_same(
     assert row.sync_state == SyncState.SYNCING.value
     assert registry.rows(idle)[0].staging_started_at is None
     assert registry.rows(idle)[0].applied_version == 1
+
+
+def test_in_a_batch_only_the_owners_beat_renews_its_engine(registry: Registry) -> None:
+    (engine,) = register(registry, 1, owner="a" * 64)
+    answers = registry.heartbeat_many(
+        [(engine, beat(in_flight=7)), (engine, beat(in_flight=1))], ["b" * 64, "a" * 64]
+    )
+
+    assert answers[0] is None, "another token's beat renews nothing"
+    assert answers[1] is not None, "the owner's beat in the same batch still renews"
+    assert registry.rows(engine)[0].in_flight == 1
+    assert registry.heartbeat_many([(engine, beat())], [None])[0] is not None, "admin may"

@@ -128,6 +128,7 @@ def test_routing_under_load_never_serves_a_version_outside_the_constraint(
     cp = start_controlplane(db, store, tmp_path / "cp.log", **FAST)
     processes.append(cp)
     assert _post(cp.url, "/v1/runs", {"run_id": "load"}).status_code == 201
+    _notify(cp, store, "load", 2)  # engine c boots on v2: a version the run knows
     _notify(cp, store, "load", 3)
     engine_token = _mint(cp, "engine")
     join = ["--controlplane", cp.url, "--token", engine_token, "--run-id", "load",

@@ -126,6 +126,7 @@ def test_lapsed_lease_takes_an_engine_out_of_routing(make_api, sqlite_url: str) 
 
 def test_no_eligible_engine_is_a_retryable_409_with_the_fleet_picture(api: Api) -> None:
     api.create_run("nr")
+    api.publish("nr", 3)
     api.publish("nr", 4)
     on_three = api.register("nr", 3)
     staging = api.register("nr", 3)

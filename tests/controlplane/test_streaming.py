@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -26,11 +27,12 @@ def _stats(engine: ManagedProcess) -> dict[str, int]:
 
 
 def _fleet(
-    tmp_path: Path, processes: list[ManagedProcess]
+    tmp_path: Path, processes: list[ManagedProcess], **env: str
 ) -> tuple[ManagedProcess, ManagedProcess, str]:
     store = tmp_path / "store"
     store.mkdir()
-    cp = start_controlplane(f"sqlite:///{tmp_path / 'cp.db'}", store, tmp_path / "cp.log", **FAST)
+    log = tmp_path / "cp.log"
+    cp = start_controlplane(f"sqlite:///{tmp_path / 'cp.db'}", store, log, **FAST, **env)
     processes.append(cp)
     assert httpx.post(cp.url + "/v1/runs", json={"run_id": "s"}, headers=ADMIN_HEADERS).is_success
     publish(store, "s", 1)
@@ -83,3 +85,26 @@ def test_a_client_leaving_mid_stream_frees_the_engine_and_closes_its_connection(
         lambda: _stats(engine)["streams_abandoned"] == 1, 10, "the engine to see the client go"
     )
     assert _stats(engine)["streaming"] == 0
+
+
+def test_a_stream_past_the_byte_cap_ends_with_an_error_event_and_frees_the_engine(
+    tmp_path: Path, processes: list[ManagedProcess]
+) -> None:
+    cp, engine, engine_id = _fleet(tmp_path, processes, TETHER_MAX_STREAM_BYTES="2000")
+    reply = httpx.post(
+        cp.url + "/v1/generate",
+        json={"text": "x", "stream": True, "chunks": 1000, "chunk_delay_s": 0.01},
+        headers=ADMIN_HEADERS,
+        timeout=30,
+    )
+    assert reply.status_code == 200
+    assert len(reply.content) < 2000 + 1000, "the relay stopped near the cap"
+    events = [
+        line[len("data: ") :] for line in reply.text.splitlines() if line.startswith("data: ")
+    ]
+    last = json.loads(events[-1])
+    assert last["error"]["type"] == "StreamTooLarge" and last["error"]["limit"] == 2000
+    wait_until(lambda: _in_flight(cp).get(engine_id) == 0, 10, "the router to free the slot")
+    wait_until(
+        lambda: _stats(engine)["streams_abandoned"] == 1, 10, "the engine to stop generating"
+    )

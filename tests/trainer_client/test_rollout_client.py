@@ -18,9 +18,11 @@ from launcher.processes import ManagedProcess, ProcessGroup, free_port
 from store.types import VersionConstraint
 from trainer_client.publisher import Publisher
 from trainer_client.rollout_client import (
+    PrecisionUnavailable,
     RolloutClient,
     RolloutDeadlineExceeded,
     RolloutRequestInvalid,
+    VersionUnavailable,
     backoff_delay,
     retry_after_seconds,
 )
@@ -155,6 +157,36 @@ def test_an_invalid_request_fails_at_once_without_retries(fleet: Fleet) -> None:
 
     message, retries = asyncio.run(scenario())
     assert "precision" in message and retries == 0
+
+
+def test_a_version_no_engine_will_serve_again_fails_at_once_naming_the_nearest(
+    fleet: Fleet,
+) -> None:
+    async def scenario() -> tuple[int | None, int]:
+        async with fleet.client() as client:
+            with pytest.raises(VersionUnavailable) as caught:
+                await client.generate("5+5=", exact_version=0)  # below both engines, latest v3
+            return caught.value.nearest_servable_version, client.stats.retries
+
+    nearest, retries = asyncio.run(scenario())
+    assert nearest == 1 and retries == 0
+
+
+def test_a_precision_no_engine_has_and_an_unknown_run_fail_at_once(fleet: Fleet) -> None:
+    async def scenario() -> tuple[list[str], str, int]:
+        async with fleet.client() as client:
+            with pytest.raises(PrecisionUnavailable) as caught:
+                await client.generate("6+6=", precision="nvfp4")
+            fleet_precisions = caught.value.fleet_precisions
+        async with RolloutClient(fleet.cp.url, fleet.cp.tokens["client"], run_id="ghost") as lost:
+            with pytest.raises(RolloutRequestInvalid) as unknown:
+                await lost.generate("7+7=", min_version=1)
+        return fleet_precisions, str(unknown.value), client.stats.retries + lost.stats.retries
+
+    fleet_precisions, unknown, retries = asyncio.run(scenario())
+    assert sorted(fleet_precisions) == ["bf16", "fp8"]
+    assert "404" in unknown and "RunUnknown" in unknown
+    assert retries == 0
 
 
 def test_retry_after_is_read_in_seconds_and_backoff_is_jittered_below_its_cap() -> None:
