@@ -12,26 +12,25 @@ from __future__ import annotations
 from prometheus_client import Counter
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from controlplane.errors import BodyTooLarge, HeadersTooLarge, error_response
+from controlplane.errors import ApiError, BodyTooLarge, HeadersTooLarge, error_response
 from controlplane.metrics import Metrics
 
 
-def _too_large(limit: int) -> BodyTooLarge:
-    return BodyTooLarge(
-        f"request body is larger than the limit of {limit} bytes "
-        "(raise TETHER_MAX_BODY_BYTES if this is expected)",
-        field="body",
+def _over(error: type[ApiError], what: str, setting: str, field: str, limit: int) -> ApiError:
+    return error(
+        f"request {what} larger than the limit of {limit} bytes: shorten it "
+        f"(raise {setting} if this is expected)",
+        field=field,
         limit=limit,
     )
 
 
-def headers_too_large(limit: int) -> HeadersTooLarge:
-    return HeadersTooLarge(
-        f"request headers are larger than the limit of {limit} bytes: shorten them "
-        "(raise TETHER_MAX_HEADER_BYTES if this is expected)",
-        field="headers",
-        limit=limit,
-    )
+def _too_large(limit: int) -> ApiError:
+    return _over(BodyTooLarge, "body is", "TETHER_MAX_BODY_BYTES", "body", limit)
+
+
+def headers_too_large(limit: int) -> ApiError:
+    return _over(HeadersTooLarge, "headers are", "TETHER_MAX_HEADER_BYTES", "headers", limit)
 
 
 class BodyLimit:
