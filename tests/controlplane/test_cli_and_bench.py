@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 from sqlalchemy import create_engine, inspect
 
+from launcher.processes import ManagedProcess, free_port, start_process
 from tests.controlplane.conftest import ROOT, TETHER
 
 
@@ -32,6 +36,37 @@ def test_migrate_creates_the_schema_and_token_create_mints_a_hashed_token(tmp_pa
     assert token.startswith("tth_")
     stored = (tmp_path / "cli.db").read_bytes()
     assert token.encode() not in stored, "only the hash is stored"
+
+
+def test_token_create_without_db_writes_where_serve_without_db_reads_and_prints_only_it(
+    tmp_path: Path, processes: list[ManagedProcess]
+) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("TETHER_DB_URL", "TETHER_STORE")}
+
+    def here(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [TETHER, *args], cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env
+        )
+
+    assert here("controlplane", "migrate").returncode == 0
+    minted = here("token", "create", "--role", "client")
+    assert minted.returncode == 0, minted.stderr
+    assert re.fullmatch(r"tth_[A-Za-z0-9_-]+\n", minted.stdout), "stdout is the token alone"
+    assert "stored in" in minted.stderr
+    token = minted.stdout.strip()
+
+    port = free_port()
+    server = start_process(
+        "controlplane",
+        [TETHER, "controlplane", "serve", "--port", str(port), "--log-level", "warning"],
+        tmp_path / "cp.log",
+        url=f"http://127.0.0.1:{port}",
+        cwd=tmp_path,
+    )
+    processes.append(server)
+    server.wait_http("/readyz", 30)
+    reply = httpx.get(server.url + "/v1/runs", headers={"Authorization": f"Bearer {token}"})
+    assert reply.status_code == 200, "the server reads the database the token went into"
 
 
 def test_token_create_refuses_an_unknown_role_without_a_traceback(tmp_path: Path) -> None:
