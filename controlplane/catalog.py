@@ -28,6 +28,8 @@ class Catalog:
         # run → (when listed, the versions found, the versions asked about at that time)
         self._seen: dict[str, tuple[float, frozenset[int], frozenset[int]]] = {}
         self._lock = threading.Lock()
+        # run → when listing it last failed (runs never listed successfully)
+        self._unreadable: dict[str, float] = {}
 
     def versions(
         self, run_id: str, store_url: str, need: Collection[int] = ()
@@ -41,10 +43,18 @@ class Catalog:
             _listed, found, asked = entry
             if all(v in asked for v in need):
                 return found
+        if entry is None and now - self._unreadable.get(run_id, -self.ttl_s) < self.ttl_s:
+            return None
         try:
             found = frozenset(open_store(store_url).list_versions(run_id))
         except Exception as exc:
+            # Not again before `ttl_s`: a store that is away must not slow every snapshot.
             log.warning("cannot list the versions of run %s in %s: %r", run_id, store_url, exc)
+            with self._lock:
+                if entry is not None:
+                    self._seen[run_id] = (now, entry[1], entry[2] | frozenset(need))
+                else:
+                    self._unreadable[run_id] = now
             return entry[1] if entry is not None else None
         with self._lock:
             self._seen[run_id] = (
