@@ -58,7 +58,10 @@ def _location(url: str) -> tuple[str, str]:
 
 def store_allowed(url: str, roots: Sequence[str]) -> bool:
     """Whether `url` is one of `roots` or lies under one of them (same scheme)."""
-    scheme, where = _location(url)
+    try:
+        scheme, where = _location(url)
+    except ValueError:  # e.g. a NUL byte, which no path may hold
+        return False
     for root in roots:
         root_scheme, root_where = _location(root)
         if scheme == root_scheme and (

@@ -74,7 +74,9 @@ def test_the_session_header_is_checked_like_the_body_field(small: Api, session: 
         assert reply.json()["error"]["field"] == "header.X-Session-ID"
 
 
-@pytest.mark.parametrize("store_url", ["/etc", "file:///proc/self", "../store/../../"])
+@pytest.mark.parametrize(
+    "store_url", ["/etc", "file:///proc/self", "../store/../../", "/tmp/\x00store"]
+)
 def test_a_run_store_outside_the_roots_is_refused(api: Api, store_url: str) -> None:
     reply = api.call("POST", "/v1/runs", "trainer", json={"run_id": "x", "store_url": store_url})
     assert reply.status_code == 422, reply.text
