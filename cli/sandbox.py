@@ -63,6 +63,11 @@ def score(
             colour = "green" if outcome == "passed" else "red"
             table.add_row(test_id, f"[{colour}]{outcome}[/]")
         console.print(table)
+        if result.output_tail:
+            # Test output is the task's text: printed verbatim, never read as rich markup.
+            console.rule("tail of the test output")
+            console.print(result.output_tail, markup=False, highlight=False)
+            console.rule()
         console.print(f"{result.reason} [dim]({result.isolation}, {result.duration_s:.1f} s)[/]")
     if result.status is ScoreStatus.INFRA_ERROR:
         errors.print(f"[red]infrastructure failure, no reward:[/] {result.reason}")

@@ -85,6 +85,7 @@ class ScoreResult:
             "tests": self.tests,
             "isolation": self.isolation,
             "duration_s": round(self.duration_s, 3),
+            "output_tail": self.output_tail,
         }
 
 

@@ -8,10 +8,35 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from sandboxes.errors import InvalidTask
+
+SWEBENCH_RENAMES = {
+    "instance_id": "id",
+    "FAIL_TO_PASS": "fail_to_pass",
+    "PASS_TO_PASS": "pass_to_pass",
+    "patch": "gold_patch",
+}
+SWEBENCH_DESCRIPTIVE = frozenset(
+    {
+        "problem_statement",
+        "hints_text",
+        "created_at",
+        "version",
+        "environment_setup_commit",
+        "difficulty",
+    }
+)
 
 
 class Task(BaseModel):
@@ -22,6 +47,11 @@ class Task(BaseModel):
     `{python}` and `{report}` stand for the interpreter and the report file the scorer reads.
     `harness_guard` (on by default) gives 0 to patches whose added source lines reach into
     the test harness (`sandboxes.harness_guard`); turn it off only for tasks about pytest.
+    `gold_patch` is the reference fix `tether sandbox check` scores; never shown to a policy.
+
+    SWE-bench instances are accepted as published: `instance_id` for `id`, `FAIL_TO_PASS` /
+    `PASS_TO_PASS` as lists or JSON-encoded strings, `patch` for `gold_patch`, and their
+    descriptive fields (problem statement, hints, dates, version) ignored.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -38,10 +68,37 @@ class Task(BaseModel):
     test_patch: str = ""
     protected_paths: list[str] = Field(default_factory=list)
     harness_guard: bool = True
+    gold_patch: str = ""
     python: str | None = None
     timeout_s: float = Field(default=300.0, gt=0)
     setup_timeout_s: float = Field(default=300.0, gt=0)
     memory_mib: int = Field(default=4096, gt=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _accept_swebench_fields(cls, raw: Any) -> Any:
+        if not isinstance(raw, dict) or "instance_id" not in raw:
+            return raw
+        raw = {k: v for k, v in raw.items() if k not in SWEBENCH_DESCRIPTIVE}
+        for theirs, ours in SWEBENCH_RENAMES.items():
+            if theirs in raw:
+                if ours in raw:
+                    raise ValueError(f"both {theirs!r} and {ours!r} are given; keep one")
+                raw[ours] = raw.pop(theirs)
+        return raw
+
+    @field_validator("fail_to_pass", "pass_to_pass", mode="before")
+    @classmethod
+    def _decode_json_lists(cls, value: Any) -> Any:
+        # SWE-bench publishes these lists as JSON text inside the JSON row.
+        if isinstance(value, str):
+            try:
+                return json.loads(value)
+            except json.JSONDecodeError:
+                raise ValueError(
+                    "must be a list of pytest node ids, or a JSON-encoded list of them"
+                ) from None
+        return value
 
     @model_validator(mode="after")
     def _has_required_tests(self) -> Task:

@@ -62,3 +62,14 @@ def test_the_benchmark_runs_at_a_tiny_size_and_ends_with_its_json_line():
     figures = json.loads(done.stdout.strip().splitlines()[-1])
     assert figures["unexpected_rewards"] == 0
     assert figures["tasks_per_minute"] > 0 and figures["isolation_overhead_ratio"] > 0
+
+
+def test_score_shows_the_tail_of_the_test_output(example: ExampleTask, tmp_path: Path):
+    patch = tmp_path / "wrong.diff"
+    patch.write_text(example.wrong_patch)
+    args = ["sandbox", "score", "--task", str(example.task_path), "--patch", str(patch)]
+    shown = tether(*args)
+    assert shown.returncode == 0, shown.stderr
+    assert "tail of the test output" in shown.stdout and "test_add" in shown.stdout
+    as_json = json.loads(tether(*args, "--json").stdout)
+    assert "failed" in as_json["output_tail"] and as_json["reward"] == 0
