@@ -24,7 +24,7 @@ from typing import Any
 
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from trl import GRPOConfig, GRPOTrainer
+from trl import GRPOConfig
 
 from demo.local_fleet import prepare_models, start_controlplane, start_engines
 from demo.run import wait_converged
@@ -32,7 +32,11 @@ from demo.settings import DemoSettings
 from demo.task import Problem, reward, sample_problems
 from launcher.processes import ProcessGroup
 from store.anchor import AnchorPolicy
-from trainer_client.integrations.trl import TetherPublishCallback, TetherRollout
+from trainer_client.integrations.trl import (
+    TetherGRPOTrainer,
+    TetherPublishCallback,
+    TetherRollout,
+)
 from trainer_client.publisher import Publisher
 
 
@@ -54,6 +58,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--exact", action="store_true", help="pin every rollout to the trainer's version"
     )
     parser.add_argument("--learning-rate", type=float, default=5e-2)
+    parser.add_argument(
+        "--correction",
+        default=None,
+        help="a Tether correction preset (token-tis, sequence-mis, geometric-mask); "
+        "default: TRL's own loss",
+    )
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -105,7 +115,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             seed=args.seed,
             shuffle_dataset=False,
         )
-        trainer = GRPOTrainer(
+        trainer = TetherGRPOTrainer(  # Tether: GRPOTrainer, or this for a correction preset
             model=model,
             reward_funcs=addition_reward,
             args=config,
@@ -113,6 +123,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             processing_class=tokenizer,
             rollout_func=rollout,  # Tether
             callbacks=[callback],  # Tether
+            correction=args.correction,  # Tether
         )
         try:
             trainer.train()
@@ -144,6 +155,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "reward_last": rewards[-1] if rewards else None,
         "ratio_min": min(s.ratio_min for s in rollout.history) if rollout.history else None,
         "ratio_max": max(s.ratio_max for s in rollout.history) if rollout.history else None,
+        "correction": args.correction,
+        "is_weight_mean": [
+            e["tether/loss_is_weight_mean"]
+            for e in trainer.state.log_history
+            if "tether/loss_is_weight_mean" in e
+        ],
         "engines_converged": converged["engines_converged"],
         "final_versions": converged["final_versions"],
         "seconds": round(time.perf_counter() - started, 1),

@@ -2,8 +2,9 @@
 
 The example script is the test's subject: it starts a control plane and two reference
 engines with their agents, claims the boot version, and lets TRL's GRPOTrainer train on the
-demo's addition task with generation through the router (`TetherRollout`, `max_lag=0`) and
-one published version per optimizer step (`TetherPublishCallback`). Its last line is the
+demo's addition task with generation through the router (`TetherRollout`, `max_lag=0`),
+one published version per optimizer step (`TetherPublishCallback`) and the loss of the
+`geometric-mask` correction preset (`TetherGRPOTrainer`). Its last line is the
 JSON summary these assertions read.
 """
 
@@ -28,7 +29,7 @@ def summary(tmp_path_factory: pytest.TempPathFactory) -> dict:
     env = {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1", "HF_HUB_OFFLINE": "1"}
     done = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "trl_grpo.py"), "--steps", str(STEPS),
-         "--engines", "2", "--workdir", str(workdir)],
+         "--engines", "2", "--correction", "geometric-mask", "--workdir", str(workdir)],
         capture_output=True, text=True, env=env, timeout=600, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
@@ -66,3 +67,19 @@ def test_on_policy_importance_ratios_are_finite_and_near_one(summary):
 def test_trl_logged_rewards_at_both_ends(summary):
     for key in ("reward_first", "reward_last"):
         assert 0.0 <= summary[key] <= 1.0
+
+
+@pytest.mark.timeout(700)
+def test_the_selected_correction_preset_weighted_every_step_near_one(summary):
+    assert summary["correction"] == "geometric-mask"
+    weights = summary["is_weight_mean"]
+    assert len(weights) == STEPS
+    # On-policy: the geometric-mean ratio is ~1, inside [0.5, 2], so no sequence is dropped.
+    assert all(math.isfinite(w) and 0.9 < w < 1.1 for w in weights)
+
+
+def test_the_score_centring_preset_is_refused_with_the_reason():
+    from trainer_client.integrations.trl import TetherGRPOTrainer
+
+    with pytest.raises(ValueError, match="top-k head"):
+        TetherGRPOTrainer(model=None, reward_funcs=[], correction="score-centering-mis")

@@ -8,12 +8,16 @@ Two pieces, both on TRL's public extension points (no private method is replaced
   and returns the prompt ids, completion ids and per-token sampler log-probs TRL expects.
   It checks each answer's stamped versions against the constraint it was sent with and
   measures, on the trainer's model, the importance ratio p_trainer/q of every sampled token.
+- `TetherGRPOTrainer(correction=<preset name>)` is `GRPOTrainer` with its public
+  `compute_loss` answering with one of Tether's named correction presets
+  (`correction_presets`), weighted by the sampler log-probs the rollout returned; without a
+  preset it is TRL's own loss, unchanged.
 - `TetherPublishCallback` is a `TrainerCallback`: after every optimizer step it publishes the
   trained weights through `Publisher` (the store encodes deltas between anchors), and adds
   Tether's figures (version, staleness, 409 retries, violations, ratios) to TRL's logs.
 
 This module never starts processes, never chooses hyper-parameters for the trainer and
-never touches TRL's loss; the sampler log-probs it returns feed whatever TRL does with them.
+replaces no private TRL method; only `TetherGRPOTrainer` with a preset changes the loss.
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ from typing import Any
 
 import torch
 from transformers import TrainerCallback
+from trl import GRPOTrainer
 
+from trainer_client.correction_presets import CorrectionPreset, correction_preset
 from trainer_client.publisher import Publisher
 from trainer_client.rollout_client import ConstraintViolated, RolloutClient, RolloutError
 from trainer_client.rollout_result import RolloutResult
@@ -234,3 +240,79 @@ class TetherPublishCallback(TrainerCallback):
                 if key in last:
                     logs[f"tether/is_{key}"] = last[key]
         return control
+
+
+class TetherGRPOTrainer(GRPOTrainer):
+    """`GRPOTrainer` whose loss is a named Tether correction preset, selected by one string.
+
+    `correction`: `"token-tis"`, `"sequence-mis"` or `"geometric-mask"` (see
+    `trainer_client.correction_presets`); None keeps TRL's loss. The preset weights each
+    token by p_old/q with q the sampler log-probs `TetherRollout` returned (TRL keeps them as
+    `sampling_per_token_logps`) and p_old TRL's old log-probs when it computed them, else the
+    current ones (one update per batch). The preset's metrics join TRL's logs as
+    `tether/loss_<metric>`. The score-centring preset needs the sampler's top-k head,
+    which TRL 1.16 does not carry from a `rollout_func` to the loss, so it is refused.
+    """
+
+    def __init__(self, *args: Any, correction: str | None = None, **kwargs: Any) -> None:
+        self.tether_preset: CorrectionPreset | None = None
+        if correction is not None:
+            preset = correction_preset(correction)
+            if preset.loss != "policy":
+                raise ValueError(
+                    f"correction {correction!r} needs the sampler's top-k head, which TRL's "
+                    "rollout_func cannot pass to the loss; choose token-tis, sequence-mis or "
+                    "geometric-mask"
+                )
+            self.tether_preset = preset
+        self.tether_loss_metrics: dict[str, float] = {}
+        super().__init__(*args, **kwargs)
+        if self.tether_preset is not None and self.beta != 0:
+            raise ValueError(
+                f"correction {correction!r} has no KL-to-reference term: set GRPOConfig(beta=0.0) "
+                f"(got beta={self.beta})"
+            )
+
+    def compute_loss(
+        self,
+        model: Any,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: Any = None,
+    ) -> Any:
+        if self.tether_preset is None:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if return_outputs:
+            raise ValueError("GRPOTrainer does not return outputs from compute_loss")
+        sampler = inputs.get("sampling_per_token_logps")
+        if sampler is None:
+            raise ValueError(
+                "a Tether correction needs the sampler log-probs: train with "
+                "rollout_func=TetherRollout(...)"
+            )
+        prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
+        mask = inputs["completion_mask"]
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention = torch.cat([inputs["prompt_mask"], mask], dim=1)
+        logits = model(input_ids=input_ids, attention_mask=attention).logits
+        # Position t predicts token t + 1: the completion's log-probs come from the logits
+        # one to the left, divided by the sampling temperature once, as the engine did.
+        logits = logits[:, prompt_ids.shape[1] - 1 : -1].float() / float(self.temperature)
+        logprobs = torch.log_softmax(logits, dim=-1)
+        logprobs = logprobs.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
+        old = inputs.get("old_per_token_logps")
+        out = self.tether_preset.policy_loss(
+            logprobs,
+            torch.nan_to_num(sampler.to(logprobs.dtype), nan=0.0),
+            inputs["advantages"],
+            mask,
+            old_logprobs=old.to(logprobs.dtype) if old is not None else None,
+        )
+        self.tether_loss_metrics = dict(out.metrics)
+        return out.loss
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs:  # a training step's log, not the end-of-training summary
+            for key, value in self.tether_loss_metrics.items():
+                logs[f"tether/loss_{key}"] = value
+        super().log(logs, start_time)
