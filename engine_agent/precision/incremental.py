@@ -329,7 +329,7 @@ class IncrementalConverter:
             np.not_equal(group_ids[1:], group_ids[:-1], out=first[1:])
             groups = torch.from_numpy(group_ids[first])
             values = weight.reshape(-1, nvfp4.GROUP).index_select(0, groups).to(torch.float32)
-            group_amax = values.abs().amax(dim=-1)
+            group_amax = nvfp4.group_amax(values)
             # Unchanged elements never exceed the old global amax, so this is the changes'.
             if not float(group_amax.max()) <= entry.global_amax:
                 needs_full = True

@@ -100,6 +100,13 @@ def group_scales(group_amax: torch.Tensor, scale_2: torch.Tensor) -> torch.Tenso
     return ideal.clamp(E4M3_MIN_SUBNORMAL, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
+def group_amax(groups: torch.Tensor) -> torch.Tensor:
+    """max |x| (fp32 `[G]`) of fp32 16-element groups `[G, 16]`."""
+    if _kernel is None:
+        return groups.abs().amax(dim=-1)
+    return torch.from_numpy(_kernel.group_amax(groups.numpy()))
+
+
 def encode_groups(
     groups: torch.Tensor, scale_2: torch.Tensor, group_amax: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:

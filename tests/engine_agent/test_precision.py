@@ -25,6 +25,7 @@ from engine_agent.precision.nvfp4 import (
     e2m1_codes,
     e2m1_values,
     encode_groups,
+    group_amax,
     group_scales,
     pack_nibbles,
     quantize_nvfp4,
@@ -104,6 +105,7 @@ def test_fused_nvfp4_encoding_matches_the_torch_definition_on_every_bf16_value(g
     for values in (groups, ties):
         packed, block_scale = encode_groups(values.clone(), scale_2)
         amax = values.abs().amax(dim=-1)
+        torch.testing.assert_close(group_amax(values), amax, rtol=0, atol=0, equal_nan=True)
         expected_scale = group_scales(amax, scale_2)
         divisor = expected_scale.to(torch.float32) * scale_2
         reference = e2m1_codes(values.clone().div_(divisor[:, None]).clamp_(-6.0, 6.0))
