@@ -75,8 +75,19 @@ def score(
 
 
 @app.command()
-def check() -> None:
-    """Report whether commands can be isolated here (bubblewrap, namespaces, uid drop)."""
+def check(
+    task: Path | None = typer.Option(
+        None, "--task", help="Validate this task instead: gold passes, empty fails, ids exist."
+    ),
+    gold: Path | None = typer.Option(
+        None, "--gold", help="The task's reference fix (default: the task's gold_patch)."
+    ),
+    python: str | None = typer.Option(None, help="Interpreter that runs the tests in the sandbox."),
+) -> None:
+    """Report whether commands can be isolated here; with --task, validate that task."""
+    if task is not None:
+        _validate(task, gold, python)
+        return
     from sandboxes.local import NONE, probe_isolation
     from sandboxes.modal_backend import modal_credentials_configured
     from sandboxes.settings import SandboxSettings
@@ -93,3 +104,30 @@ def check() -> None:
     console.print(table)
     if report.level == NONE:
         raise typer.Exit(1)
+
+
+def _validate(task: Path, gold: Path | None, python: str | None) -> None:
+    from rich.markup import escape
+
+    from sandboxes.errors import SandboxError
+    from sandboxes.task import load_task
+    from sandboxes.validation import task_problems
+
+    try:
+        loaded = load_task(task)
+        gold_patch = gold.read_text() if gold is not None else loaded.gold_patch
+    except (SandboxError, OSError, UnicodeDecodeError) as error:
+        errors.print(f"[red]error:[/] {error}")
+        raise typer.Exit(EXIT_INVALID_INPUT) from None
+    if not gold_patch.strip():
+        errors.print(
+            "[red]error:[/] no gold patch: pass --gold PATCH or set gold_patch in the task"
+        )
+        raise typer.Exit(EXIT_INVALID_INPUT)
+    with console.status(f"validating {loaded.id}"):
+        problems = task_problems(loaded, gold_patch, python=python)
+    for problem in problems:
+        errors.print(f"[red]task {escape(loaded.id)} is broken:[/] {escape(problem)}")
+    if problems:
+        raise typer.Exit(1)
+    console.print(f"task {loaded.id} is valid: gold passes, fail-to-pass tests fail without it")

@@ -50,6 +50,31 @@ def _outcome_of(reports: list) -> str:
     return "passed"
 
 
+def foreign_modules(repo: str) -> dict[str, str]:
+    """Imported modules of the repository's own packages that were loaded from elsewhere.
+
+    The repository's packages are the folders with an `__init__.py` at its root and under
+    `src/`; a module of one of them whose file lies outside the repository is an installed
+    copy shadowing the code under test.
+    """
+    root = os.path.realpath(repo)
+    packages = set()
+    for folder in (root, os.path.join(root, "src")):
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            continue
+        packages |= {n for n in names if os.path.isfile(os.path.join(folder, n, "__init__.py"))}
+    foreign = {}
+    for name, module in list(sys.modules.items()):
+        where = getattr(module, "__file__", None)
+        if name.split(".", 1)[0] in packages and where:
+            path = os.path.realpath(where)
+            if os.path.commonpath([path, root]) != root:
+                foreign[name] = path
+    return foreign
+
+
 class Recorder:
     """A pytest plugin writing signed records to a file descriptor it alone was given."""
 
@@ -71,7 +96,7 @@ class Recorder:
         os.write(self._fd, line.encode())
 
     def pytest_collection_finish(self, session) -> None:
-        self._write(COLLECTED, count=len(session.items))
+        self._write(COLLECTED, count=len(session.items), foreign=foreign_modules(os.getcwd()))
 
     def pytest_runtest_logreport(self, report) -> None:
         self._phases.setdefault(report.nodeid, []).append(report)
@@ -97,6 +122,7 @@ class Records:
 
     outcomes: dict[str, str] = field(default_factory=dict)
     collected: int | None = None
+    foreign: dict[str, str] = field(default_factory=dict)
     ran: int | None = None
     exitstatus: int | None = None
     forged: str = ""
@@ -119,6 +145,7 @@ def read_records(data: bytes, key: bytes) -> Records:
             records.outcomes[fields["nodeid"]] = fields["outcome"]
         elif fields["kind"] == COLLECTED:
             records.collected = fields["count"]
+            records.foreign = fields.get("foreign", {})
         elif fields["kind"] == FINAL:
             records.exitstatus, records.ran = fields["exitstatus"], fields["ran"]
     return records

@@ -266,6 +266,14 @@ def _run_in(
         records = read_records(_read_optional(sandbox, tests.records_path), tests.key)
         if records.forged:
             raise _fail(f"the plugin's records were tampered with: {records.forged}", run)
+        if records.foreign:
+            name, path = sorted(records.foreign.items())[0]
+            raise _infra(
+                f"the tests imported {name} from {path}, an installed copy, not from the "
+                f"repository: uninstall the project from {python} "
+                "(the code under test must be the patched source)",
+                run,
+            )
         _cross_check(task, report, run, records)
         if tests.canaries is not None:
             _check_canaries(tests.canaries, report, records, run)

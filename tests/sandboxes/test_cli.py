@@ -73,3 +73,41 @@ def test_score_shows_the_tail_of_the_test_output(example: ExampleTask, tmp_path:
     assert "tail of the test output" in shown.stdout and "test_add" in shown.stdout
     as_json = json.loads(tether(*args, "--json").stdout)
     assert "failed" in as_json["output_tail"] and as_json["reward"] == 0
+
+
+def test_check_accepts_a_valid_task(example: ExampleTask, tmp_path: Path):
+    gold = tmp_path / "gold.diff"
+    gold.write_text(example.gold_patch)
+    done = tether("sandbox", "check", "--task", str(example.task_path), "--gold", str(gold))
+    assert done.returncode == 0, done.stderr
+    assert "is valid" in done.stdout
+
+
+def test_check_rejects_a_task_with_a_mistyped_test_id_and_a_gold_that_fails(
+    example: ExampleTask, tmp_path: Path
+):
+    raw = json.loads(example.task_path.read_text())
+    raw["fail_to_pass"] = ["tests/test_ops.py::test_add", "tests/test_ops.py::test_ad"]
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps({**raw, "repo": str(example.repo)}))
+    gold = tmp_path / "wrong.diff"
+    gold.write_text(example.wrong_patch)
+    done = tether("sandbox", "check", "--task", str(broken), "--gold", str(gold))
+    assert done.returncode == 1
+    assert "gold patch scores fail" in done.stderr
+    assert "not collected by pytest" in done.stderr and "test_ad" in done.stderr
+
+
+def test_check_rejects_a_task_whose_fail_to_pass_test_already_passes(
+    example: ExampleTask, tmp_path: Path
+):
+    raw = json.loads(example.task_path.read_text())
+    raw["fail_to_pass"] = ["tests/test_ops.py::test_sub"]
+    raw["pass_to_pass"] = []
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps({**raw, "repo": str(example.repo)}))
+    gold = tmp_path / "gold.diff"
+    gold.write_text(example.gold_patch)
+    done = tether("sandbox", "check", "--task", str(broken), "--gold", str(gold))
+    assert done.returncode == 1
+    assert "rewards doing nothing" in done.stderr and "test_sub" in done.stderr

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -515,3 +517,38 @@ def test_a_patch_deleting_a_module_of_the_repository_still_scores_zero(example: 
     deleting += f"@@ -1,{len(lines)} +0,0 @@\n" + "".join(f"-{line}\n" for line in lines)
     result = score(example.task(), deleting)
     assert result.status is ScoreStatus.FAIL and result.reward == 0, result.reason
+
+
+@pytest.fixture
+def traversable_dir():
+    """A folder the sandbox's uid can reach (pytest's tmp_path is private to root)."""
+    with tempfile.TemporaryDirectory(dir="/var/tmp", prefix="tether-test-") as name:
+        os.chmod(name, 0o755)
+        yield Path(name)
+
+
+def test_an_installed_copy_shadowing_the_source_under_test_is_refused(
+    example: ExampleTask, traversable_dir: Path
+):
+    """src/ layout: the tests would import the interpreter's installed (fixed) copy."""
+    git(example.repo, "mv", "calc", "src")
+    git(example.repo, "commit", "-q", "-m", "src layout")
+    (example.repo / "src" / "calc").mkdir()
+    for name in ("__init__.py", "ops.py"):
+        git(example.repo, "mv", f"src/{name}", f"src/calc/{name}")
+    git(example.repo, "commit", "-q", "-m", "src/calc")
+    base = git(example.repo, "rev-parse", "HEAD").strip()
+    venv = traversable_dir / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    site = next(venv.glob("lib/python*/site-packages"))
+    ours = next(Path(sys.prefix).glob("lib/python*/site-packages"))
+    (site / "ours.pth").write_text(f"{ours}\n")
+    (site / "calc").mkdir()
+    (site / "calc" / "__init__.py").write_text("")
+    (site / "calc" / "ops.py").write_text(OPS_FIXED)
+    task = example.task().model_copy(
+        update={"base_commit": base, "python": str(venv / "bin/python")}
+    )
+    result = score(task, "")
+    assert result.status is ScoreStatus.INFRA_ERROR and result.reward is None, result.reason
+    assert "imported calc" in result.reason and "installed copy" in result.reason
