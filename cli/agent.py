@@ -19,8 +19,11 @@ def run(
         None, "--engine-kind", help="sglang (SGLang or the reference engine; default) | vllm"
     ),
     precision: str = typer.Option(None, "--precision", help="bf16 | fp8 | nvfp4"),
-    control_plane: str = typer.Option(
-        None, "--control-plane", help="Control plane URL; without it, follow the store pointer."
+    control_plane: list[str] = typer.Option(
+        None,
+        "--control-plane",
+        help="Control plane URL; repeat it (or separate URLs by commas) for replicas the "
+        "agent fails over between. Without it, follow the store pointer.",
     ),
     token: str = typer.Option(
         None, "--token", help="Engine-role bearer token (or TETHER_TOKEN).", show_default=False
@@ -64,7 +67,7 @@ def run(
         "engine_url": engine_url,
         "engine_kind": engine_kind,
         "precision": precision,
-        "control_plane": control_plane,
+        "control_plane": control_plane or None,
         "token": token,
         "store": store,
         "run": run_id,

@@ -36,7 +36,7 @@ from tenacity import (
 )
 
 from engine_agent.control_client import ControlClient
-from engine_agent.engines.base import Engine
+from engine_agent.engines.base import Engine, EngineInfo
 from engine_agent.engines.sglang import SGLangEngine
 from engine_agent.engines.vllm import VLLMEngine
 from engine_agent.errors import (
@@ -83,12 +83,13 @@ class Agent:
             None, wait_s=settings.admission_wait_s, on_reject=lambda _c: self.reconciler.wake()
         )
         self.control = (
-            ControlClient(settings.control_plane, settings.token)
-            if settings.control_plane
+            ControlClient(settings.control_planes, settings.token)
+            if settings.control_planes
             else None
         )
         self.engine_id: str | None = None
         self.heartbeat_interval_s = 2.0
+        self.lease_seconds = 10.0
         self._beat = asyncio.Event()
         self._stop = asyncio.Event()
         self.reconciler = Reconciler(
@@ -144,6 +145,8 @@ class Agent:
             "staging_target": status.staging_target,
             "staging_progress": round(status.staging_progress, 4),
             "last_error": status.last_error,
+            "reconcile_failures": dict(status.failures),
+            "control_plane": self.control.url if self.control is not None else None,
             "engine_reachable": status.engine_reachable,
             "in_flight": self.gate.in_flight,
             "admission_open": self.gate.is_open,
@@ -178,15 +181,7 @@ class Agent:
                     raise
                 log.info("waiting for the engine: %s", exc)
                 await asyncio.sleep(1.0)
-        boot = self.settings.boot_version
-        if boot is not None:
-            if info.weight_version != str(boot):
-                await self.engine.relabel(boot)
-        else:
-            try:
-                boot = int(info.weight_version)
-            except ValueError:
-                boot = None
+        boot = await self._label_boot(info)
         self.status.applied_version = boot
         await self.gate.reopen(boot)
         if boot is not None and self.settings.boot_model is not None:
@@ -200,6 +195,19 @@ class Agent:
             self.settings.precision.value,
             self.settings.run,
         )
+
+    async def _label_boot(self, info: EngineInfo) -> int | None:
+        """The version an engine fresh from its boot checkpoint serves; with a configured
+        boot version, label the engine with it."""
+        boot = self.settings.boot_version
+        if boot is not None:
+            if info.weight_version != str(boot):
+                await self.engine.relabel(boot)
+            return boot
+        try:
+            return int(info.weight_version)
+        except ValueError:
+            return None
 
     # ---- control plane -------------------------------------------------------------------
 
@@ -219,37 +227,66 @@ class Agent:
         reply = await self.control.register(body)
         self.engine_id = reply.engine_id
         self.heartbeat_interval_s = reply.heartbeat_interval_s
+        self.lease_seconds = reply.lease_seconds
         log.info("registered as engine %s at %s", reply.engine_id, self.control.url)
         self.reconciler.assign(reply.target_version)
+
+    def _forget(self, engine_id: str | None) -> None:
+        """The control plane answered 404 for `engine_id`: register again at once (unless
+        the heartbeat loop has registered a new id meanwhile)."""
+        if engine_id is not None and engine_id == self.engine_id:
+            log.warning("control plane forgot engine %s; registering again", engine_id)
+            self.engine_id = None
+            self._beat.set()
+
+    def _control_plane_answers(self, answers: bool) -> None:
+        """While no control plane answers, the reconciler follows the store pointer."""
+        if answers != self.reconciler.control_plane_reachable:
+            self.reconciler.control_plane_reachable = answers
+            if not answers:
+                log.warning("no control plane answers; following the store pointer meanwhile")
+            self.reconciler.wake()
 
     async def _heartbeats(self) -> None:
         """Beat every `heartbeat_interval_s` (sooner when poked); while the control plane is
         unreachable, retry with exponential backoff from 0.5 s up to 10 s."""
         retrying = AsyncRetrying(
             retry=retry_if_exception_type(ControlPlaneUnavailable),
-            wait=wait_exponential(multiplier=0.5, max=10.0),
+            wait=self._heartbeat_backoff,
             sleep=self._until_beat,  # a poke (state change) cuts a backoff short
-            before_sleep=_log_heartbeat_failure,
+            before_sleep=self._heartbeat_failed,
             stop=stop_never,
         )
         while True:
             await retrying(self._beat_once)
             await self._until_beat(self.heartbeat_interval_s)
 
+    def _heartbeat_backoff(self, state: RetryCallState) -> float:
+        """Exponential from 0.5 s up to 10 s, and within a third of the lease, so a control
+        plane that comes back (e.g. after a database outage) hears from this engine before
+        its lease lapses."""
+        return min(_HEARTBEAT_BACKOFF(state), self.lease_seconds / 3)
+
+    def _heartbeat_failed(self, state: RetryCallState) -> None:
+        _log_heartbeat_failure(state)
+        self._control_plane_answers(False)
+
     async def _beat_once(self) -> None:
         """One heartbeat (registering first if needed); follows the target it answers."""
         assert self.control is not None
         while True:
+            engine_id = self.engine_id
             try:
-                if self.engine_id is None:
+                if engine_id is None:
                     await self._register()
+                    engine_id = self.engine_id
                 reply = await self.control.heartbeat(
-                    self.engine_id or "", self.status.heartbeat(self.gate.in_flight)
+                    engine_id or "", self.status.heartbeat(self.gate.in_flight)
                 )
             except EngineNotRegistered:
-                log.warning("control plane forgot engine %s; registering again", self.engine_id)
-                self.engine_id = None
+                self._forget(engine_id)
                 continue
+            self._control_plane_answers(True)
             if reply.target_version != self.reconciler.assigned:
                 self.reconciler.assign(reply.target_version)
             return
@@ -264,14 +301,19 @@ class Agent:
     async def _targets(self) -> None:
         assert self.control is not None
         while True:
-            if self.engine_id is None:
+            engine_id = self.engine_id
+            if engine_id is None:
                 await asyncio.sleep(0.2)
                 continue
             try:
                 reply = await self.control.wait_target(
-                    self.engine_id, self.reconciler.assigned, self.settings.long_poll_s
+                    engine_id, self.reconciler.assigned, self.settings.long_poll_s
                 )
-            except (EngineNotRegistered, ControlPlaneUnavailable) as exc:
+            except EngineNotRegistered:
+                # Not after the heartbeat's backoff: routing misses this engine until then.
+                self._forget(engine_id)
+                continue
+            except ControlPlaneUnavailable as exc:
                 log.info("target long-poll: %s", exc)
                 await asyncio.sleep(1.0)
                 continue
@@ -291,17 +333,31 @@ class Agent:
                 self._engine_down(str(exc))
                 continue
             if not self.status.engine_reachable:
-                log.info("engine answers again (label %s)", info.weight_version)
-                self.status.engine_reachable = True
-                if info.weight_version != str(self.status.applied_version):
-                    self.status.last_error = (
-                        f"engine came back labelled {info.weight_version!r}, expected "
-                        f"v{self.status.applied_version}; staying out of routing"
-                    )
-                    self.status.terminal = True
-                else:
-                    self.status.last_error = None
-                self._beat.set()
+                await self._engine_back(info)
+
+    async def _engine_back(self, info: EngineInfo) -> None:
+        """The engine answers again. Labelled as before, it kept its weights; otherwise it
+        restarted from its boot checkpoint: serve that, and let the reconciler commit the
+        target again (its held tensors stay a valid base for any version)."""
+        applied = self.status.applied_version
+        log.info("engine answers again (label %s)", info.weight_version)
+        if info.weight_version != str(applied):
+            try:
+                served = await self._label_boot(info)
+            except AgentError as exc:
+                self._engine_down(f"relabelling the restarted engine failed: {exc}")
+                return
+            log.warning(
+                "engine restarted: it serves v%s (its boot checkpoint), not v%s; catching up",
+                served,
+                applied,
+            )
+            self.status.applied_version = served
+            await self.gate.reopen(served)
+        self.status.engine_reachable = True
+        self.status.last_error = None
+        self.reconciler.retry_now()
+        self._beat.set()
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -331,6 +387,7 @@ class Agent:
         )
         server = _Server(config)
         tasks = {asyncio.create_task(server.serve(sockets=[self.sock]), name="proxy")}
+        await asyncio.to_thread(self.reconciler.stager.remove_scratch)
         tasks.add(asyncio.create_task(self.reconciler.run(), name="reconciler"))
         tasks.add(asyncio.create_task(self._monitor_engine(), name="engine monitor"))
         if self.control is not None:
@@ -373,6 +430,9 @@ class Agent:
         if self.control is not None:
             await self.control.close()
         log.info("stopped in %.2fs", time.perf_counter() - started)
+
+
+_HEARTBEAT_BACKOFF = wait_exponential(multiplier=0.5, max=10.0)
 
 
 def _log_heartbeat_failure(state: RetryCallState) -> None:

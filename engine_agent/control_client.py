@@ -3,7 +3,10 @@
 Owns the four calls an engine makes (register, heartbeat, target long-poll, deregister) with
 the wire models of `wire`, and their failure mapping: 404 on an engine route
 → `EngineNotRegistered` (register again), anything else unexpected →
-`ControlPlaneUnavailable`. Must never import the control plane's server modules.
+`ControlPlaneUnavailable`. Also owns fail-over between control-plane replicas: it keeps
+calling the one that answered last and moves on to the next URL when that one does not
+answer or answers 5xx (replicas share one database, so engine ids hold on every one).
+Must never import the control plane's server modules.
 """
 
 from __future__ import annotations
@@ -28,13 +31,28 @@ log = logging.getLogger(__name__)
 Reply = TypeVar("Reply", bound=BaseModel)
 
 
-class ControlClient:
-    """Calls the control plane at `url` with an engine-role bearer `token`."""
+class _ReplicaDown(ControlPlaneUnavailable):
+    """This replica did not answer or answered 5xx: another one may."""
 
-    def __init__(self, url: str, token: str | None, timeout_s: float = 10.0) -> None:
-        self.url = url.rstrip("/")
+
+class ControlClient:
+    """Calls the control plane at `urls` (one or several replicas) with an engine-role
+    bearer `token`."""
+
+    def __init__(self, urls: str | list[str], token: str | None, timeout_s: float = 10.0) -> None:
+        self.urls = [u.rstrip("/") for u in ([urls] if isinstance(urls, str) else urls)]
+        if not self.urls:
+            raise ValueError("ControlClient needs at least one control-plane URL")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._client = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=timeout_s)
+        self._clients = [
+            httpx.AsyncClient(base_url=u, headers=headers, timeout=timeout_s) for u in self.urls
+        ]
+        self._current = 0
+
+    @property
+    def url(self) -> str:
+        """The control plane the agent talks to now."""
+        return self.urls[self._current]
 
     async def _call(
         self,
@@ -44,8 +62,35 @@ class ControlClient:
         body: BaseModel | None = None,
         **kwargs: Any,
     ) -> Reply | None:
+        """`_call_one` on the current replica, then on each other one until one answers."""
+        first = self._current
+        for step in range(len(self.urls)):
+            index = (first + step) % len(self.urls)
+            try:
+                reply = await self._call_one(index, method, path, reply_model, body, **kwargs)
+            except _ReplicaDown as exc:
+                if step == len(self.urls) - 1:
+                    raise
+                log.warning("%s; trying %s", exc, self.urls[(index + 1) % len(self.urls)])
+                continue
+            if index != self._current:
+                log.info("control plane: now talking to %s", self.urls[index])
+                self._current = index
+            return reply
+        raise AssertionError("unreachable: the loop returns or raises")
+
+    async def _call_one(
+        self,
+        index: int,
+        method: str,
+        path: str,
+        reply_model: type[Reply] | None,
+        body: BaseModel | None = None,
+        **kwargs: Any,
+    ) -> Reply | None:
+        url = self.urls[index]
         try:
-            reply = await self._client.request(
+            reply = await self._clients[index].request(
                 method,
                 path,
                 content=body.model_dump_json() if body is not None else None,
@@ -53,18 +98,20 @@ class ControlClient:
                 **kwargs,
             )
         except httpx.HTTPError as exc:
-            raise ControlPlaneUnavailable(
-                f"control plane at {self.url} did not answer {method} {path}: "
+            raise _ReplicaDown(
+                f"control plane at {url} did not answer {method} {path}: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
         if reply.status_code == 404 and path.startswith("/v1/engines/"):
             raise EngineNotRegistered(
-                f"control plane at {self.url} does not know this engine ({path}): "
-                f"{reply.text[:300]}"
+                f"control plane at {url} does not know this engine ({path}): {reply.text[:300]}"
             )
         if reply.status_code >= 400:
-            raise ControlPlaneUnavailable(
-                f"control plane at {self.url} answered {method} {path} with "
+            # A 4xx is this request's fault and another replica would say the same; a 5xx
+            # (e.g. 503 while the database is away) is worth another replica.
+            failure = _ReplicaDown if reply.status_code >= 500 else ControlPlaneUnavailable
+            raise failure(
+                f"control plane at {url} answered {method} {path} with "
                 f"{reply.status_code}: {reply.text[:500]}"
             )
         return reply_model.model_validate_json(reply.content) if reply_model else None
@@ -101,4 +148,5 @@ class ControlClient:
             log.info("engine %s was already gone from %s", engine_id, self.url)
 
     async def close(self) -> None:
-        await self._client.aclose()
+        for client in self._clients:
+            await client.aclose()

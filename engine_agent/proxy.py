@@ -13,6 +13,7 @@ Owns the agent's HTTP surface:
 - the engine's control routes answer 403: only the agent changes weights;
 - `GET /health` (503 until the first catch-up and while the engine is in error),
   `GET /server_info` (applied version, sync state, staging, last error, pass timings),
+  `GET /metrics` (Prometheus: applied version, health, failed passes by error type),
   read-only `GET /model_info` and `GET /v1/models` passed through.
 
 Must never change weights or decide versions; errors use the control plane's error shape.
@@ -34,6 +35,7 @@ from pydantic import ValidationError
 from engine_agent.engines.base import TETHER_FIELDS, Dialect, EngineRequest, UnsupportedRequest
 from engine_agent.engines.sglang import SGLangDialect
 from engine_agent.gate import Admission, AdmissionGate, VersionNotReady
+from engine_agent.metrics import render as render_metrics
 from engine_agent.status import AgentStatus
 from store.types import VersionConstraint
 from wire import (
@@ -425,6 +427,10 @@ class VersionedProxy:
         @app.get("/server_info")
         async def server_info() -> dict[str, Any]:
             return self.server_info()
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            return Response(render_metrics(self.status), media_type="text/plain; version=0.0.4")
 
         @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE"])
         async def other(path: str) -> Response:

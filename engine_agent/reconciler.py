@@ -13,14 +13,16 @@ engine serves — then commit:
 4. flip the served version and reopen the gate.
 
 If the target moved while staging, the pass stages once more (from the tensors it just
-built) before committing. A failed stage leaves the engine untouched: `last_error` is set
-and the pass is retried with exponential backoff. A failed commit raises
+built) before committing. A failed stage (a missing or corrupt version, a full disk) leaves
+the engine untouched and serving: `last_error` is set, the failure is counted, and the pass is
+retried with exponential backoff (ended early by `retry_now`). A failed commit raises
 `UnrecoverableEngineError`: the engine's weights are undefined and the replica must go.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -90,7 +92,10 @@ class Reconciler:
         self.follow_control_plane = follow_control_plane
         self.on_change = on_change
         self.assigned: int | None = None
+        # False while no control plane answers: the store pointer is the target meanwhile.
+        self.control_plane_reachable = True
         self._wake = asyncio.Event()
+        self._retry = asyncio.Event()
         # The canonical tensors of the applied version, the base of the next catch-up.
         self._canonical: Mapping[str, RawTensor] | None = None
         self._canonical_version: int | None = None
@@ -99,6 +104,11 @@ class Reconciler:
 
     def wake(self) -> None:
         """Run a pass soon (a new assignment, or a request asking for a newer version)."""
+        self._wake.set()
+
+    def retry_now(self) -> None:
+        """End the backoff after a failed pass (e.g. the engine answers again)."""
+        self._retry.set()
         self._wake.set()
 
     def assign(self, target: int | None) -> None:
@@ -113,8 +123,9 @@ class Reconciler:
         self._canonical, self._canonical_version = tensors, version
 
     async def current_target(self) -> int | None:
-        """The control plane's assignment, else (or before it has one) the store pointer."""
-        if self.follow_control_plane and self.assigned is not None:
+        """The control plane's assignment, else (before it has one, or while no control
+        plane answers) the store pointer."""
+        if self.follow_control_plane and self.control_plane_reachable and self.assigned is not None:
             return self.assigned
         pointer = await asyncio.to_thread(self.store.read_pointer, self.run_id)
         return pointer.version if pointer is not None else None
@@ -130,6 +141,7 @@ class Reconciler:
             retry=retry_if_exception_type((StageFailed, StoreError, EngineUnreachable, OSError)),
             wait=wait_exponential(multiplier=self.retry_initial_s, max=self.retry_max_s),
             before_sleep=self._failed_pass,
+            sleep=self._backoff,
             stop=stop_never,
         )
         while True:
@@ -145,6 +157,7 @@ class Reconciler:
         """Record a failed pass in the status before the backoff sleep."""
         failure = state.outcome.exception() if state.outcome is not None else None
         self.status.last_error = f"{type(failure).__name__}: {failure}"
+        self.status.failures[type(failure).__name__] += 1
         self.status.staging_target = None
         self.status.staging_progress = 0.0
         log.warning(
@@ -154,6 +167,13 @@ class Reconciler:
             self.status.last_error,
         )
         await self._changed()
+
+    async def _backoff(self, seconds: float) -> None:
+        """The wait between failed passes; `retry_now` ends it early."""
+        self._retry.clear()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await self._retry.wait()
 
     async def reconcile_once(self) -> bool:
         """One pass; True if it committed a new version."""

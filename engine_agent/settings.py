@@ -27,6 +27,8 @@ class AgentSettings(BaseSettings):
     precision: Precision
     run: str = Field(validation_alias=AliasChoices("run", "TETHER_AGENT_RUN", "TETHER_RUN"))
     store: str = Field(validation_alias=AliasChoices("store", "TETHER_AGENT_STORE", "TETHER_STORE"))
+    # One control-plane URL, or several separated by commas (replicas without a load
+    # balancer in front): the agent talks to the first that answers and fails over.
     control_plane: str | None = Field(
         default=None,
         validation_alias=AliasChoices(
@@ -67,14 +69,25 @@ class AgentSettings(BaseSettings):
     retry_max_s: float = Field(default=30.0, gt=0)
     log_level: str = "info"
 
-    @field_validator("engine_url", "control_plane", "advertise_url")
+    @field_validator("engine_url", "advertise_url")
     @classmethod
     def _http_url(cls, value: str | None) -> str | None:
+        return None if value is None else _http_url(value)
+
+    @field_validator("control_plane", mode="before")
+    @classmethod
+    def _control_plane_urls(cls, value: object) -> str | None:
+        """Accept a list (the CLI's repeated --control-plane) or comma-separated URLs."""
         if value is None:
             return None
-        if not value.startswith(("http://", "https://")):
-            raise ValueError(f"expected an http:// or https:// URL, found {value!r}")
-        return value.rstrip("/")
+        parts = value if isinstance(value, list | tuple) else str(value).split(",")
+        urls = [_http_url(str(p).strip()) for p in parts if str(p).strip()]
+        return ",".join(urls) or None
+
+    @property
+    def control_planes(self) -> list[str]:
+        """Every control-plane URL given, in the order the agent tries them."""
+        return self.control_plane.split(",") if self.control_plane else []
 
     @field_validator("labels", mode="before")
     @classmethod
@@ -89,3 +102,9 @@ class AgentSettings(BaseSettings):
                 labels[key] = val
             return labels
         return value
+
+
+def _http_url(value: str) -> str:
+    if not value.startswith(("http://", "https://")):
+        raise ValueError(f"expected an http:// or https:// URL, found {value!r}")
+    return value.rstrip("/")

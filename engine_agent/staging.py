@@ -154,9 +154,14 @@ class Stager:
             checksums = folder_checksums(scratch)
             shutil.rmtree(final, ignore_errors=True)
             scratch.rename(final)
-        except OSError as exc:
+        except Exception as exc:
+            # ENOSPC surfaces as OSError from Python's writes but as safetensors' own
+            # SafetensorError from its Rust writer: any failure here is a failed stage, and
+            # the half-written folder must not stay behind to fill the disk further.
             shutil.rmtree(scratch, ignore_errors=True)
-            raise StageFailed(f"writing the staged folder {final} failed: {exc}") from exc
+            raise StageFailed(
+                f"writing the staged folder {final} failed: {type(exc).__name__}: {exc}"
+            ) from exc
         write_s = time.perf_counter() - started
         log.info(
             "staged v%d as %s in %s (convert %.2fs, %s; write %.2fs); checksums %s",
@@ -171,6 +176,12 @@ class Stager:
         return StagedCheckpoint(
             version, self.precision, final, convert_s, write_s, size, conversion, checksums
         )
+
+    def remove_scratch(self) -> None:
+        """Delete half-written `.writing-*` folders a previous process left behind."""
+        if self.root.is_dir():
+            for path in self.root.glob(".writing-*"):
+                shutil.rmtree(path, ignore_errors=True)
 
     def prune(self, keep: set[int]) -> None:
         """Delete staged folders of versions not in `keep` (the served and the next)."""

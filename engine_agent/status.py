@@ -14,7 +14,7 @@ Must never do I/O.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -56,6 +56,8 @@ class AgentStatus:
     engine_reachable: bool = True
     terminal: bool = False
     passes: deque[PassTimings] = field(default_factory=lambda: deque(maxlen=8))
+    # Failed reconcile passes by error type (StageFailed, StoreError, EngineUnreachable...).
+    failures: Counter[str] = field(default_factory=Counter)
     started_at: float = field(default_factory=time.time)
 
     @property

@@ -127,12 +127,12 @@ class ControlPlaneProcess:
         assert reply.status_code == 201, reply.text
 
 
-def start_controlplane(root: Path) -> ControlPlaneProcess:
+def start_controlplane(root: Path, env: dict[str, str] | None = None) -> ControlPlaneProcess:
     """`tether controlplane serve` on SQLite, as the demo starts it, with short leases and
-    no token cache, and a token per role."""
+    no token cache (`env` overrides settings), and a token per role."""
     from demo.local_fleet import start_controlplane as start_demo_controlplane
 
-    env = {"TETHER_LEASE_SECONDS": "5", "TETHER_TOKEN_CACHE_S": "0"}
+    env = {"TETHER_LEASE_SECONDS": "5", "TETHER_TOKEN_CACHE_S": "0", **(env or {})}
     cp = start_demo_controlplane(
         ProcessGroup(root), f"sqlite:///{root / 'cp.db'}", str(root / "store"), env
     )
@@ -151,13 +151,16 @@ def launch_agent(
     boot_version: int | None = 0,
     control_plane: ControlPlaneProcess | None = None,
     extra: tuple[str, ...] = (),
+    work_dir: Path | None = None,
+    env_overrides: dict[str, str] | None = None,
 ) -> ManagedProcess:
-    """Start `tether agent run` for one engine (without waiting for it)."""
+    """Start `tether agent run` for one engine (without waiting for it); `env_overrides`
+    (TETHER_AGENT_* variables) override the agent's settings."""
     port = free_port()
     cmd = [
         TETHER, "agent", "run", "--engine-url", engine_url, "--precision", precision,
         "--store", str(store_root), "--run", run_id, "--port", str(port),
-        "--boot-model", str(boot_model), "--work-dir", str(root / f"{name}-work"),
+        "--boot-model", str(boot_model), "--work-dir", str(work_dir or root / f"{name}-work"),
         *extra,
     ]  # fmt: skip
     if boot_version is not None:
@@ -167,6 +170,7 @@ def launch_agent(
     if control_plane is not None:
         cmd += ["--control-plane", control_plane.url]
         env["TETHER_TOKEN"] = control_plane.tokens["engine"]
+    env.update(env_overrides or {})
     return start_process(
         name, cmd, root / f"{name}.log", url=f"http://127.0.0.1:{port}", env=env, wait=False
     )
