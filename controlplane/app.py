@@ -41,6 +41,7 @@ from controlplane.errors import (
 )
 from controlplane.hotpath import ControlPlaneApp, HotPath
 from controlplane.middleware import BodyLimit, RequestMetrics
+from controlplane.outage import install_outage_handlers
 from controlplane.pointer import confirm_published
 from controlplane.proxy import (
     Proxy,
@@ -52,6 +53,7 @@ from controlplane.proxy import (
     validation_error,
 )
 from controlplane.refusals import too_far_ahead
+from controlplane.replica_events import ReplicaEvents, listens
 from controlplane.router import pick
 from controlplane.services import Services
 from controlplane.settings import ControlPlaneSettings
@@ -193,9 +195,20 @@ def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:
         )
         await cp.fleet.start()
         await cp.heartbeats.writer.start()
+        await cp.store_sync.start()
+        replicas = (
+            ReplicaEvents(dbmod.normalise_url(settings.db_url), cp.versions_changed)
+            if listens(dbmod.normalise_url(settings.db_url))
+            else None
+        )
+        if replicas is not None:
+            await replicas.start()
         try:
             yield
         finally:
+            if replicas is not None:
+                await replicas.stop()
+            await cp.store_sync.stop()
             await cp.heartbeats.writer.stop()
             await cp.fleet.stop()
             await client.close()
@@ -212,6 +225,7 @@ def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:
     )
     app.state.cp = cp
     install_handlers(app)
+    install_outage_handlers(app, cp.outage)
     # Both lanes pass the body limit and the request metrics; the hot lane skips the rest.
     limits = {"limit": settings.max_body_bytes, "header_limit": settings.max_header_bytes}
     app.add_middleware(BodyLimit, **limits)
@@ -483,7 +497,7 @@ def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:
             precisions=precisions,
             session_id=session,
             local_in_flight=cp.fleet.in_flight,
-            now=time.time(),
+            now=cp.fleet.lease_clock(),
         )
         if engine is None:
             cp.metrics.not_ready.labels("none_eligible").inc()

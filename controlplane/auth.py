@@ -18,8 +18,9 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from controlplane.errors import Forbidden, Unauthorized
+from controlplane.errors import ApiError, Forbidden, Unauthorized
 from controlplane.models import TokenRow
+from controlplane.outage import DATABASE_ERRORS, Outage, is_database_down
 from wire import Role
 
 log = logging.getLogger(__name__)
@@ -89,10 +90,12 @@ def ensure_admin_token(sessions: sessionmaker[Session], configured: str | None) 
 class TokenChecker:
     """Resolves `Authorization: Bearer <token>` to a role, with a short in-memory cache."""
 
-    def __init__(self, sessions: sessionmaker[Session], cache_s: float) -> None:
+    def __init__(self, sessions: sessionmaker[Session], cache_s: float, outage: Outage) -> None:
         self._sessions = sessions
         self._cache_s = cache_s
-        self._cache: dict[str, tuple[Role | None, float]] = {}
+        self._outage = outage
+        # digest → (role, fresh until, learned at); monotonic seconds.
+        self._cache: dict[str, tuple[Role | None, float, float]] = {}
 
     @staticmethod
     def digest(authorization: str | None) -> str:
@@ -120,8 +123,25 @@ class TokenChecker:
         digest = self.digest(authorization)
         hit, found = self.cached(digest)
         if not hit:
-            found = await asyncio.to_thread(self.lookup, digest)
+            try:
+                found = await asyncio.to_thread(self.lookup, digest)
+            except DATABASE_ERRORS as exc:
+                if not is_database_down(exc):
+                    raise
+                return self._last_known(digest, self._outage.failed(exc, "token check"))
         return found
+
+    def _last_known(self, digest: str, unavailable: ApiError) -> Role:
+        """While the database is away: the token's last known role, if learned within the
+        outage grace; else `unavailable` (a 503), never a guess."""
+        entry = self._cache.get(digest)
+        if (
+            entry is not None
+            and entry[0] is not None
+            and time.monotonic() - entry[2] < self._outage.stale_view_s
+        ):
+            return entry[0]
+        raise unavailable
 
     def lookup(self, digest: str) -> Role | None:
         """Read the token's role from the database and cache it briefly."""
@@ -130,7 +150,8 @@ class TokenChecker:
         role = Role(value) if value is not None else None
         if len(self._cache) > 10_000:
             self._cache.clear()
-        self._cache[digest] = (role, time.monotonic() + self._cache_s)
+        now = time.monotonic()
+        self._cache[digest] = (role, now + self._cache_s, now)
         return role
 
     def owner_key(self, authorization: str | None, role: Role) -> str | None:

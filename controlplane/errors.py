@@ -166,6 +166,17 @@ class NoEngineAvailable(ApiError):
         self.headers = {"Retry-After": "1"}
 
 
+class DatabaseUnavailable(ApiError):
+    """The control plane's database does not answer; retry after `Retry-After`."""
+
+    status = 503
+    retryable = True
+
+    def __init__(self, message: str, retry_after_s: float, **extra: Any) -> None:
+        super().__init__(message, **extra)
+        self.headers = {"Retry-After": str(max(1, round(retry_after_s)))}
+
+
 class InternalError(ApiError):
     """A bug or an unexpected failure on the server; the log has the traceback."""
 

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from controlplane.catalog import Catalog
 from controlplane.metrics import Metrics
+from controlplane.outage import Outage, is_database_down
 from controlplane.registry import Registry
 from controlplane.runs import Runs
 from controlplane.snapshot import FleetSnapshot, RunView
@@ -37,8 +38,10 @@ class Fleet:
         metrics: Metrics,
         refresh_s: float,
         catalog: Catalog | None = None,
+        outage: Outage | None = None,
     ) -> None:
         self.registry = registry
+        self.outage = outage or Outage(registry, 1.0, 60.0)
         self.runs = runs
         self.catalog = catalog
         self.metrics = metrics
@@ -61,6 +64,7 @@ class Fleet:
 
     def load(self) -> FleetSnapshot:
         """Read the database and build a new snapshot (blocking; call off the loop)."""
+        self.outage.recover()
         demand, self._pending_demand = self._pending_demand, {}
         try:
             self.registry.record_demand(demand)
@@ -135,10 +139,18 @@ class Fleet:
             self._dirty.clear()
             try:
                 await self.refresh()
-            except Exception:
-                log.exception("fleet snapshot refresh failed; keeping the previous snapshot")
+            except Exception as exc:
+                if is_database_down(exc):
+                    # Routing goes on from the last snapshot (see `lease_clock`).
+                    self.outage.failed(exc, "fleet refresh")
+                else:
+                    log.exception("fleet snapshot refresh failed; keeping the previous snapshot")
             # Coalesce bursts of local writes into at most ~20 refreshes a second.
             await asyncio.sleep(0.05)
+
+    def lease_clock(self) -> float:
+        """The time routing compares leases with (frozen during a database outage)."""
+        return self.outage.lease_clock()
 
     # -------------------------------------------------------------- signals
 

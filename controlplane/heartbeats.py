@@ -17,8 +17,9 @@ from collections.abc import Callable, Sequence
 
 import orjson
 
-from controlplane.errors import EngineUnknown
+from controlplane.errors import ApiError, EngineUnknown
 from controlplane.fleet import Fleet
+from controlplane.outage import DATABASE_ERRORS, Outage, is_database_down
 from controlplane.registry import Registry
 from controlplane.runs import Runs
 from wire import Heartbeat
@@ -80,7 +81,8 @@ class GroupCommit:
                 try:
                     results = await asyncio.to_thread(self._write, [beat for beat, _ in batch])
                 except Exception as exc:
-                    log.warning("writing %d heartbeats failed: %r", len(batch), exc)
+                    if not isinstance(exc, ApiError):  # an outage has logged its own line
+                        log.warning("writing %d heartbeats failed: %r", len(batch), exc)
                     for _, waiter in batch:
                         if not waiter.done():
                             waiter.set_exception(exc)
@@ -93,14 +95,24 @@ class GroupCommit:
 class Heartbeats:
     """Renews leases through the group commit and answers with the engine's target."""
 
-    def __init__(self, registry: Registry, runs: Runs, fleet: Fleet) -> None:
+    def __init__(self, registry: Registry, runs: Runs, fleet: Fleet, outage: Outage) -> None:
         self.registry = registry
         self.runs = runs
         self.fleet = fleet
+        self.outage = outage
         self.writer = GroupCommit(self._write)
 
     def _write(self, beats: Sequence[Beat]) -> list[float | None]:
-        return self.registry.heartbeat_many([(e, b) for e, b, _ in beats], [o for *_, o in beats])
+        """Renew leases (after an outage, first the leases it would have let lapse)."""
+        try:
+            self.outage.recover()
+            return self.registry.heartbeat_many(
+                [(e, b) for e, b, _ in beats], [o for *_, o in beats]
+            )
+        except DATABASE_ERRORS as exc:
+            if is_database_down(exc):
+                raise self.outage.failed(exc, "heartbeats") from exc
+            raise
 
     async def answer(self, engine_id: str, beat: Heartbeat, owner: str | None = None) -> bytes:
         """The JSON reply (`HeartbeatReply`) to one heartbeat, after its commit. `owner`:

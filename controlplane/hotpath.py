@@ -25,6 +25,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from controlplane.auth import CALLERS, ENGINE
 from controlplane.errors import ApiError, InternalError, InvalidRequest, error_response, field_path
+from controlplane.outage import DATABASE_ERRORS, is_database_down
 from wire import Heartbeat, Role
 
 if TYPE_CHECKING:
@@ -123,6 +124,11 @@ class HotPath:
         except ClientDisconnect:
             # Nobody is left to answer; the status is for the request metrics only.
             response = Response(status_code=499)
+        except DATABASE_ERRORS as exc:
+            if not is_database_down(exc):
+                log.exception("%s %s failed", scope["method"], scope["path"])
+                raise
+            response = error_response(self.cp.outage.failed(exc, scope["path"]))
         except Exception:
             # FastAPI's error middleware is not above this lane: answer in the one shape.
             log.exception("%s %s failed", scope["method"], scope["path"])

@@ -207,7 +207,7 @@ class Proxy:
             session_id=session_id,
             exclude=exclude,
             local_in_flight=self.fleet.in_flight,
-            now=time.time(),
+            now=self.fleet.lease_clock(),
         )
         self.metrics.decision.observe(time.perf_counter() - start)
         return engine

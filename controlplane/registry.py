@@ -35,6 +35,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from controlplane.db import rows_affected
 from controlplane.errors import EngineNotOwned, EngineUnknown, EngineUrlTaken, RunUnknown
 from controlplane.models import EngineRow, PinRow, RunRow
+from controlplane.replica_events import announce
 from controlplane.snapshot import EngineView
 from wire import EngineRegister, Heartbeat, Precision, SyncState
 
@@ -170,6 +171,7 @@ class Registry:
             engine.owner = owner if kept is None or owner is not None else kept.owner
             if kept is None:
                 db.add(engine)
+            announce(db, body.run_id)
             return engine.engine_id, now + self.lease_seconds
 
     def owned(self, engine_id: str, owner: str | None) -> None:

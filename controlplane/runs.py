@@ -2,7 +2,8 @@
 
 Owns the `runs` and `versions` rows. A version is recorded only after the store's pointer
 is confirmed to name it (or a newer one), and a run's latest version only moves forward.
-Never writes to the store.
+Every change is announced to the other replicas (`controlplane.replica_events`). Never
+writes to the store.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from controlplane.db import rows_affected
 from controlplane.errors import RunExists, RunUnknown, StoreUrlRefused
 from controlplane.models import RunRow, VersionRow
+from controlplane.replica_events import announce
 from controlplane.snapshot import RunView
 from store.types import VersionKind
 from wire import RunCreate, RunInfo, TargetPolicy, VersionInfo
@@ -102,6 +104,7 @@ class Runs:
         try:
             with self._sessions.begin() as db:
                 db.add(run)
+                announce(db, body.run_id)
         except IntegrityError as exc:
             raise RunExists(
                 f"run {body.run_id!r} already exists: pick another id or use the existing run",
@@ -158,6 +161,7 @@ class Runs:
             )
             if rows_affected(db.execute(stmt)) == 0:
                 raise RunUnknown(f"run {run_id!r} does not exist")
+            announce(db, run_id)
         return self.get(run_id)
 
     def record_version(
@@ -185,6 +189,7 @@ class Runs:
                 )
                 .values(latest_version=pointer_version)
             )
+            announce(db, run_id)
             row = db.get(VersionRow, (run_id, version))
             assert row is not None
             return version_info(row)

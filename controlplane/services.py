@@ -17,10 +17,12 @@ from controlplane.catalog import Catalog
 from controlplane.fleet import Fleet
 from controlplane.heartbeats import Heartbeats
 from controlplane.metrics import Metrics
+from controlplane.outage import Outage
 from controlplane.proxy import Proxy
 from controlplane.registry import Registry
 from controlplane.runs import Runs
 from controlplane.settings import ControlPlaneSettings
+from controlplane.store_sync import StoreSync
 
 
 @dataclass
@@ -39,6 +41,8 @@ class Services:
     metrics: Metrics
     heartbeats: Heartbeats
     catalog: Catalog
+    outage: Outage
+    store_sync: StoreSync
     proxy: Proxy | None = None
     first_admin_token: str | None = None
     version_events: list[asyncio.Event] = field(default_factory=list)
@@ -52,19 +56,30 @@ class Services:
         roots = [r.strip() for r in settings.store_roots.split(",") if r.strip()]
         runs = Runs(sessions, settings.store, roots)
         catalog = Catalog(settings.catalog_ttl_s)
-        fleet = Fleet(registry, runs, metrics, settings.snapshot_refresh_s, catalog)
-        return cls(
+        outage = Outage(registry, settings.default_retry_after_s, settings.outage_grace_s)
+        fleet = Fleet(registry, runs, metrics, settings.snapshot_refresh_s, catalog, outage)
+        services: Services
+        store_sync = StoreSync(runs, settings.store_sync_s, lambda: services.versions_changed())
+        services = cls(
             settings=settings,
             engine=engine,
             sessions=sessions,
-            tokens=TokenChecker(sessions, settings.token_cache_s),
+            tokens=TokenChecker(sessions, settings.token_cache_s, outage),
             registry=registry,
             runs=runs,
             fleet=fleet,
             metrics=metrics,
-            heartbeats=Heartbeats(registry, runs, fleet),
+            heartbeats=Heartbeats(registry, runs, fleet, outage),
             catalog=catalog,
+            outage=outage,
+            store_sync=store_sync,
         )
+        return services
+
+    def versions_changed(self) -> None:
+        """A run's latest version moved (on the event loop): refresh and wake waiters."""
+        self.fleet.mark_dirty()
+        self.wake_version_waiters()
 
     def wake_version_waiters(self) -> None:
         waiters, self.version_events = self.version_events, []

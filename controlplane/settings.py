@@ -45,3 +45,9 @@ class ControlPlaneSettings(BaseSettings):
     route_attempts: int = Field(default=3, ge=1)
     proxy_timeout_s: float = Field(default=600.0, gt=0)
     default_retry_after_s: float = Field(default=1.0, gt=0)
+    # How often every run's store pointer is compared with its recorded latest version (a
+    # version published while the control plane was down, or never notified, is adopted).
+    store_sync_s: float = Field(default=5.0, gt=0)
+    # While the database is away: how long the router keeps routing on its last fleet view
+    # (leases do not lapse meanwhile) and accepts tokens by their last known role.
+    outage_grace_s: float = Field(default=60.0, ge=0)

@@ -10,6 +10,7 @@ never touches the store and never raises from `flush`.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import httpx
@@ -58,6 +59,8 @@ class VersionNotifier:
         self.pending: list[PendingVersion] = []
         self.failures = 0
         self.last_error: str | None = None
+        # Whether the last failure may pass by itself (unreachable, 5xx, 429), unlike a 4xx.
+        self.transient = False
 
     def notify(self, version: int, kind: VersionKind) -> bool:
         """Queue `version` and try to deliver everything queued; True if nothing is left."""
@@ -87,6 +90,7 @@ class VersionNotifier:
                 return False
             if response.status_code >= 400:
                 self.failures += 1
+                self.transient = False
                 self.last_error = (
                     f"the control plane refused the notification of {self.run_id} "
                     f"v{item.version} with {response.status_code} ({error_text(response)}); "
@@ -99,8 +103,29 @@ class VersionNotifier:
             log.info("notified the control plane of run %s v%d", self.run_id, item.version)
         return True
 
+    def deliver(self, within_s: float, first_wait_s: float = 0.2, max_wait_s: float = 5.0) -> bool:
+        """`flush` until the queue is empty, a refusal, or `within_s` seconds have passed,
+        waiting with exponential backoff between tries; True if everything was delivered."""
+        deadline = time.monotonic() + within_s
+        wait = first_wait_s
+        while not self.flush():
+            left = deadline - time.monotonic()
+            if not self.transient or left <= 0:
+                log.warning(
+                    "%d notification(s) of run %s undelivered (%s); the control plane adopts "
+                    "the store's pointer by itself",
+                    len(self.pending),
+                    self.run_id,
+                    self.last_error,
+                )
+                return False
+            time.sleep(min(wait, left))  # backoff between delivery attempts
+            wait = min(wait * 2, max_wait_s)
+        return True
+
     def _keep(self, item: PendingVersion, why: str) -> None:
         self.failures += 1
+        self.transient = True
         self.last_error = why
         log.warning(
             "notification of run %s v%d delayed (%s); the version is published and will be "

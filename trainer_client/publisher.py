@@ -14,7 +14,9 @@ Invariants, and why they hold:
 - The pointer moves last and only forward: `Store.publish` writes and verifies every byte
   first, and expects the pointer to be at this publisher's previous version.
 - A failed notification never loses a version: the version is durable once the pointer
-  moved; the notification is queued and sent again on the next publish (`VersionNotifier`).
+  moved; the notification is queued and sent again on the next publish and, with retries
+  for a bounded time, on `close()` (`VersionNotifier`). The control plane also adopts a
+  pointer that moved without a notification.
 - The next delta's base is exactly the canonical tensors of the last published version,
   kept in memory by the encoder (a private copy, so the trainer updating its parameters
   cannot change it), and accepted only once the pointer moved.
@@ -224,10 +226,15 @@ class Publisher:
     def __exit__(self, *_exc: object) -> None:
         self.close()
 
-    def close(self) -> None:
-        """Try once more to deliver queued notifications, then release the HTTP client."""
+    def close(self, deliver_within_s: float = 30.0) -> None:
+        """Deliver queued notifications, retrying with backoff for at most
+        `deliver_within_s` seconds, then release the HTTP client.
+
+        What is still undelivered then is not lost: the versions are in the store, and the
+        control plane adopts a pointer that moved past its latest version on its own (at
+        start and every few seconds)."""
         if self.notifier is not None and self.notifier.pending:
-            self.notifier.flush()
+            self.notifier.deliver(deliver_within_s)
         if self._client is not None:
             self._client.close()
 

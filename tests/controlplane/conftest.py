@@ -156,21 +156,27 @@ def api(make_api: Callable[..., Api], sqlite_url: str) -> Api:
 
 
 def _spawn(
-    name: str, argv: list[str], log: Path, ready_path: str, env: dict[str, str] | None = None
+    name: str,
+    argv: list[str],
+    log: Path,
+    ready_path: str,
+    env: dict[str, str] | None = None,
+    port: int | None = None,
 ) -> ManagedProcess:
-    """Start `argv` (with `{port}` filled in) and wait until `ready_path` answers 200.
+    """Start `argv` (with `{port}` filled in: `port`, else a free one) and wait until
+    `ready_path` answers 200.
 
     A free port can be taken by another process between choosing and binding; then the
-    start is tried again on a new port.
+    start is tried again on a new port (never when `port` was given).
     """
-    for _attempt in range(3):
-        port = free_port()
+    for _attempt in range(1 if port is not None else 3):
+        chosen = port or free_port()
         process = start_process(
             name,
-            [a.replace("{port}", str(port)) for a in argv],
+            [a.replace("{port}", str(chosen)) for a in argv],
             log,
             env=env,
-            url=f"http://127.0.0.1:{port}",
+            url=f"http://127.0.0.1:{chosen}",
             cwd=ROOT,
         )
         try:
@@ -181,10 +187,14 @@ def _spawn(
     raise AssertionError(f"could not find a free port for {argv[0]}")
 
 
-def start_controlplane(db_url: str, store_root: Path, log: Path, **env: str) -> ManagedProcess:
+def start_controlplane(
+    db_url: str, store_root: Path, log: Path, port: int | None = None, **env: str
+) -> ManagedProcess:
+    """`tether controlplane serve` on `port` (default: a free one); `env` sets TETHER_*."""
     argv = [TETHER, "controlplane", "serve", "--db", db_url, "--store", str(store_root),
             "--port", "{port}", "--log-level", "warning"]  # fmt: skip
-    return _spawn("controlplane", argv, log, "/readyz", {"TETHER_ADMIN_TOKEN": ADMIN, **env})
+    env = {"TETHER_ADMIN_TOKEN": ADMIN, **env}
+    return _spawn("controlplane", argv, log, "/readyz", env, port)
 
 
 def start_standin(version: int, log: Path, *args: str) -> ManagedProcess:

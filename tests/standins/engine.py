@@ -215,8 +215,8 @@ async def _agent(state: Standin, args: argparse.Namespace) -> None:
                 engine_id = await _beat(client, state, args, engine_id)
             except httpx.HTTPError as exc:
                 # The agent keeps trying: a slow or restarting control plane is not fatal.
+                # Like the agent, register again only when told the engine is unknown (404).
                 print(f"heartbeat failed: {exc!r}", flush=True)
-                engine_id = None if isinstance(exc, httpx.HTTPStatusError) else engine_id
             state.version_changed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(state.version_changed.wait(), args.heartbeat_s)
