@@ -11,13 +11,14 @@ or writes tables.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session
+
+from controlplane.background import BackgroundTask
 
 log = logging.getLogger(__name__)
 
@@ -36,25 +37,15 @@ def listens(db_url: str) -> bool:
     return make_url(db_url).get_backend_name() == "postgresql"
 
 
-class ReplicaEvents:
+class ReplicaEvents(BackgroundTask):
     """One LISTEN connection; `on_event` runs on the event loop for each notification."""
 
     def __init__(self, db_url: str, on_event: Callable[[], None]) -> None:
+        super().__init__("replica-events", self._listen)
         url = make_url(db_url).set(drivername="postgresql")
         self._dsn = url.render_as_string(hide_password=False)
         self._where = url.render_as_string(hide_password=True)
         self.on_event = on_event
-        self._task: asyncio.Task[None] | None = None
-
-    async def start(self) -> None:
-        self._task = asyncio.create_task(self._listen(), name="replica-events")
-
-    async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
 
     async def _listen(self) -> None:
         import psycopg

@@ -11,26 +11,26 @@ decides targets.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 
 from sqlalchemy.exc import IntegrityError
 
+from controlplane.background import BackgroundTask
 from controlplane.pointer import read_pointer
 from controlplane.runs import Runs
 
 log = logging.getLogger(__name__)
 
 
-class StoreSync:
+class StoreSync(BackgroundTask):
     """Records versions the store's pointers name but the database does not know yet."""
 
     def __init__(self, runs: Runs, interval_s: float, on_advance: Callable[[], None]) -> None:
+        super().__init__("store-sync", self._loop)
         self.runs = runs
         self.interval_s = interval_s
         self.on_advance = on_advance
-        self._task: asyncio.Task[None] | None = None
 
     def sync_once(self) -> dict[str, int]:
         """Record every pointer that moved past its run's latest; {run: version} recorded.
@@ -60,16 +60,6 @@ class StoreSync:
             )
             advanced[run.run_id] = ref.version
         return advanced
-
-    async def start(self) -> None:
-        self._task = asyncio.create_task(self._loop(), name="store-sync")
-
-    async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
 
     async def _loop(self) -> None:
         while True:
