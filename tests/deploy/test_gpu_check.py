@@ -39,7 +39,7 @@ def test_checked_agents_use_command_lines_the_real_parser_accepts(tmp_path: Path
         command, params = parse_tether(agent_argv(spec))
         assert command == "tether agent run"
         assert params["precision"] == precision
-        assert params["control_plane"] is None, "the check follows the store pointer alone"
+        assert not params["control_plane"], "the check follows the store pointer alone"
 
 
 def test_an_unknown_engine_kind_is_refused_with_exit_code_2(tmp_path: Path) -> None:

@@ -100,7 +100,7 @@ def test_agent_command_lines_parse_with_the_real_agent_parser(plan: ModalPlan) -
         assert params["accelerator"] == pool.accelerator
         assert params["run_id"] == fleet.run
         assert params["store"] == fleet.store.url
-        assert params["control_plane"] == CP_URL
+        assert params["control_plane"] == [CP_URL]
         assert params["advertise_url"] == REPLICA_URL
         assert params["engine_url"] == f"http://127.0.0.1:{pool.sglang_port}"
         assert params["port"] == pool.agent_port
@@ -147,7 +147,7 @@ def test_a_configured_control_plane_url_is_written_into_the_command_line() -> No
     assert plan.control_plane_url == CP_URL
     assert CONTROL_PLANE_SLOT not in plan.pools[0].agent_argv
     _, params = parse_tether(plan.pools[0].agent_argv_for("unused", REPLICA_URL))
-    assert params["control_plane"] == CP_URL
+    assert params["control_plane"] == [CP_URL]
 
 
 # ------------------------------------------------------------------ build_app, recorded
