@@ -19,6 +19,11 @@ class BackgroundTask:
         self.work = work
         self._task: asyncio.Task[None] | None = None
 
+    @property
+    def running(self) -> bool:
+        """Between `start()` and `stop()`."""
+        return self._task is not None
+
     async def start(self) -> None:
         self._task = asyncio.create_task(self.work(), name=self.name)
 

@@ -11,12 +11,12 @@ raises. Never routes and never decides targets.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable, Sequence
 
 import orjson
 
+from controlplane.background import BackgroundTask
 from controlplane.errors import ApiError, EngineUnknown
 from controlplane.fleet import Fleet
 from controlplane.outage import DATABASE_ERRORS, Outage, is_database_down
@@ -44,18 +44,14 @@ class GroupCommit:
         self._max_batch = max_batch
         self._pending: list[tuple[Beat, asyncio.Future[float | None]]] = []
         self._wake: asyncio.Event | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._task = BackgroundTask("heartbeat-writer", self._writer)
 
     async def start(self) -> None:
         self._wake = asyncio.Event()
-        self._task = asyncio.create_task(self._writer(), name="heartbeat-writer")
+        await self._task.start()
 
     async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._task.stop()
         pending, self._pending = self._pending, []
         for _, waiter in pending:
             if not waiter.done():
@@ -63,7 +59,7 @@ class GroupCommit:
 
     async def submit(self, beat: Beat) -> float | None:
         """The new lease expiry of this beat's engine, or None if it is unknown."""
-        if self._task is None or self._wake is None:
+        if not self._task.running or self._wake is None:
             return (await asyncio.to_thread(self._write, [beat]))[0]
         waiter: asyncio.Future[float | None] = asyncio.get_running_loop().create_future()
         self._pending.append((beat, waiter))
