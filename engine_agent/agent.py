@@ -327,12 +327,17 @@ class Agent:
             await asyncio.sleep(self.settings.engine_probe_s)
             if not self.gate.is_open:
                 continue  # a commit is talking to the engine; it reports its own failures
+            applied = self.status.applied_version
             try:
                 info = await self.engine.info()
             except AgentError as exc:
                 self._engine_down(str(exc))
                 continue
-            if not self.status.engine_reachable:
+            if not self.gate.is_open or self.status.applied_version != applied:
+                continue  # a commit ran meanwhile: the label read may predate it
+            relabelled = applied is not None and info.weight_version != str(applied)
+            if not self.status.engine_reachable or relabelled:
+                # Back after a failure, or restarted between two probes (another label).
                 await self._engine_back(info)
 
     async def _engine_back(self, info: EngineInfo) -> None:
