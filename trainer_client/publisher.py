@@ -226,7 +226,7 @@ class Publisher:
     def __exit__(self, *_exc: object) -> None:
         self.close()
 
-    def close(self, deliver_within_s: float = 30.0) -> None:
+    def close(self, deliver_within_s: float = 5.0) -> None:
         """Deliver queued notifications, retrying with backoff for at most
         `deliver_within_s` seconds, then release the HTTP client.
 
