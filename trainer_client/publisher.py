@@ -212,6 +212,7 @@ class Publisher:
         self.upload_attempts = max(1, upload_attempts)
         self.show_progress = sys.stderr.isatty() if progress is None else progress
         self._client: httpx.Client | None = None
+        self._closed = False
         self.notifier: VersionNotifier | None = None
         if control_plane:
             self._client = httpx.Client(
@@ -232,7 +233,10 @@ class Publisher:
 
         What is still undelivered then is not lost: the versions are in the store, and the
         control plane adopts a pointer that moved past its latest version on its own (at
-        start and every few seconds)."""
+        start and every few seconds). Closing again does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         if self.notifier is not None and self.notifier.pending:
             self.notifier.deliver(deliver_within_s)
         if self._client is not None:

@@ -23,14 +23,7 @@ CONVERGE_DEADLINE_S = 60.0
 
 # Scenarios whose fix is not on main yet (issue 16's numbered items): they must fail until
 # it lands (strict: an unexpected pass fails the run, so the mark is removed with the fix).
-AWAITING_FIX = {
-    "replica_killed": "issue 16 item 11: an agent fails over between control-plane replicas",
-    "postgres_stopped_10s": "issue 16 item 10: a database outage answers 503, not 500",
-    "engine_killed_mid_commit": "issue 16 item 3: an agent recovers after its engine restarts",
-    "publish_while_controlplane_down": "issue 16 item 4: the control plane adopts the store "
-    "pointer",
-    "staging_disk_full": "issue 16 item 2: a full staging disk leaves the agent running",
-}
+AWAITING_FIX: dict[str, str] = {}
 
 
 def marks(scenario: Scenario) -> list[pytest.MarkDecorator]:
