@@ -36,7 +36,7 @@ from tenacity import (
 )
 
 from engine_agent.control_client import ControlClient
-from engine_agent.engines.base import Engine, EngineInfo
+from engine_agent.engines.base import Engine, ModelInfo
 from engine_agent.engines.sglang import SGLangEngine
 from engine_agent.engines.vllm import VLLMEngine
 from engine_agent.errors import (
@@ -196,7 +196,7 @@ class Agent:
             self.settings.run,
         )
 
-    async def _label_boot(self, info: EngineInfo) -> int | None:
+    async def _label_boot(self, info: ModelInfo) -> int | None:
         """The version an engine fresh from its boot checkpoint serves; with a configured
         boot version, label the engine with it."""
         boot = self.settings.boot_version
@@ -340,7 +340,7 @@ class Agent:
                 # Back after a failure, or restarted between two probes (another label).
                 await self._engine_back(info)
 
-    async def _engine_back(self, info: EngineInfo) -> None:
+    async def _engine_back(self, info: ModelInfo) -> None:
         """The engine answers again. Labelled as before, it kept its weights; otherwise it
         restarted from its boot checkpoint: serve that, and let the reconciler commit the
         target again (its held tensors stay a valid base for any version)."""
