@@ -296,6 +296,22 @@ class Registry:
             if engine_id in owner_of and (owner is None or owner_of[engine_id] in (None, owner))
         }
 
+    def extend_leases(self, alive_at: float) -> int:
+        """Renew, for one lease from now, every lease that had not lapsed at `alive_at`
+        (the start of a database outage); return how many."""
+        now = time.time()
+        with self._sessions.begin() as db:
+            return rows_affected(
+                db.execute(
+                    update(EngineRow)
+                    .where(
+                        EngineRow.lease_expires_at > alive_at,
+                        EngineRow.lease_expires_at < now + self.lease_seconds,
+                    )
+                    .values(lease_expires_at=now + self.lease_seconds)
+                )
+            )
+
     def deregister(self, engine_id: str, owner: str | None = None) -> None:
         """Remove the engine; `owner` (the caller's token hash, None for an admin) must
         own it."""

@@ -44,5 +44,5 @@ class _StatusCollector:
 def render(status: AgentStatus) -> bytes:
     """The Prometheus text exposition of `status`."""
     registry = CollectorRegistry()
-    registry.register(_StatusCollector(status))  # type: ignore[arg-type]
+    registry.register(_StatusCollector(status))
     return generate_latest(registry)
