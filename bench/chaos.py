@@ -42,6 +42,7 @@ from typing import Any
 import httpx
 import typer
 
+from engine_agent.agent import EXIT_UNRECOVERABLE
 from launcher.fault_proxy import ResettingProxy
 from launcher.processes import (
     TETHER,
@@ -516,7 +517,6 @@ class Chaos:
     fleet: ChaosFleet
     scale: float
     fault_lifted: float | None = None
-    notes: list[str] = field(default_factory=list)
 
     def hold(self, seconds: float) -> None:
         """Keep a fault in place for `seconds` x scale (the fault's length, not a sync)."""
@@ -601,10 +601,27 @@ def engine_killed_mid_commit(chaos: Chaos) -> None:
         return info.get("staging_target") == version or info.get("applied_version") == version
 
     wait_until(staging, 60, "the agent to start on the new version", 0.02)
-    assert member.engine is not None
+    assert member.engine is not None and member.agent is not None
+    agent = member.agent
     member.engine.kill()
     chaos.hold(2)
     fleet.start_engine(member)
+
+    # A kill that lands inside the commit itself leaves the engine's weights undefined, so
+    # the agent exits as terminal by design and the orchestrator replaces the replica. Play
+    # the orchestrator's part, so recovery is checked whichever phase the kill hit.
+    def settled() -> bool:
+        info = fleet.server_info(member) or {}
+        return not agent.alive() or info.get("applied_version") == version
+
+    wait_until(settled, 60, f"the agent to commit v{version} or exit as terminal", 0.1)
+    if not agent.alive():
+        code = agent.process.returncode
+        if code != EXIT_UNRECOVERABLE:
+            raise AssertionError(f"the agent exited with {code}, not as terminal; log:\n"
+                                 f"{agent.log_tail()}")  # fmt: skip
+        log.warning("the kill hit the commit: the agent exited as terminal; replacing it")
+        fleet.start_agent(member)
     chaos.lifted()
 
 
