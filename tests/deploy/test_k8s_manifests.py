@@ -140,7 +140,7 @@ def test_agents_advertise_their_pod_address_and_follow_the_configured_run() -> N
         assert params["port"] == AGENT_PORT
         assert params["run_id"] == CONFIG["TETHER_RUN"]
         assert params["store"] == CONFIG["TETHER_STORE"]
-        assert params["control_plane"] == CONFIG["TETHER_CONTROL_PLANE"]
+        assert params["control_plane"] == [CONFIG["TETHER_CONTROL_PLANE"]]
         assert params["engine_url"] == "http://127.0.0.1:30000"
 
 
