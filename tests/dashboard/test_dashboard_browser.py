@@ -184,8 +184,10 @@ def test_the_trainer_gap_reported_through_the_rollout_client_appears_on_the_page
 
 
 def test_409s_show_up_as_a_rate_with_their_reason(fleet: Fleet) -> None:
-    body = {"text": "1+1=", "run_id": RUN, "weight_version": {"exact_version": 9999}}
-    for _ in range(3):  # a version nobody serves: the router answers 409 at once
+    # A version not published yet but within TETHER_MAX_VERSIONS_AHEAD (1000) of latest:
+    # nobody serves it, so the router answers a retryable 409 at once.
+    body = {"text": "1+1=", "run_id": RUN, "weight_version": {"exact_version": 500}}
+    for _ in range(3):
         reply = fleet.cp.call("POST", "/v1/generate", "client", json=body)
         assert reply.status_code == 409, reply.text
     with browser_page() as page:
