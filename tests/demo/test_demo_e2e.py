@@ -76,10 +76,14 @@ def test_short_demo_trains_publishes_and_keeps_every_rollout_within_its_constrai
 @pytest.mark.slow
 def test_an_interrupted_demo_stops_every_process_it_started(tmp_path: Path) -> None:
     workdir = tmp_path / "demo"
+    # Unbuffered, so the first step's line arrives when it is printed, and more steps than
+    # it can finish before the signal: a fast machine once ran all 200 steps while the
+    # step lines still sat in the pipe's buffer, and exited 0 before SIGINT.
     demo = subprocess.Popen(
-        [TETHER, "demo", "--steps", "200", "--prompts", "2", "--group-size", "2",
+        [TETHER, "demo", "--steps", "100000", "--prompts", "2", "--group-size", "2",
          "--workdir", str(workdir), "--run", "interrupted"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )  # fmt: skip
     try:
         assert demo.stdout is not None

@@ -521,8 +521,11 @@ def test_a_patch_deleting_a_module_of_the_repository_still_scores_zero(example: 
 
 @pytest.fixture
 def traversable_dir():
-    """A folder the sandbox's uid can reach (pytest's tmp_path is private to root)."""
-    with tempfile.TemporaryDirectory(dir="/var/tmp", prefix="tether-test-") as name:
+    """A folder the sandbox's uid can reach (pytest's tmp_path is private to root), inside
+    this interpreter's prefix: a venv made there that reads our site-packages through a
+    .pth stays able to, wherever the checkout lies (the sandbox's private /tmp binds back
+    an interpreter's top folder under /tmp, so a clone under /tmp keeps its .venv)."""
+    with tempfile.TemporaryDirectory(dir=sys.prefix, prefix="tether-test-") as name:
         os.chmod(name, 0o755)
         yield Path(name)
 
