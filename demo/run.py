@@ -10,13 +10,16 @@ fleet's state. Every child process is stopped on the way out, whatever happens.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
+import signal
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from types import FrameType
 from typing import Any
 
 from rich.console import Console
@@ -135,6 +138,30 @@ async def sample_batch(
         if not bad:
             batch.groups.append((problem, members))
     return batch
+
+
+@contextlib.contextmanager
+def interrupt_at_once() -> Iterator[None]:
+    """Ctrl-C raises `KeyboardInterrupt` where it lands while the training loop runs.
+
+    Left alone, `asyncio.run` turns the first Ctrl-C into a cancellation of its main task,
+    and a cancellation that reaches an inner await which completes anyway is lost: a fresh
+    clone's test saw the demo train on for a minute after SIGINT. A handler of our own
+    (asyncio only installs its handler over the default one) keeps Ctrl-C final.
+    """
+
+    def stop(_signum: int, _frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGINT, stop)
+    except ValueError:  # not the main thread: nothing to install
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 async def train(
@@ -289,7 +316,8 @@ def run_demo(settings: DemoSettings, console: Console) -> dict[str, Any]:
             f"{settings.group_size} samples, max_lag {settings.max_lag}, MIS-corrected GRPO"
         )
         try:
-            asyncio.run(train(settings, cp, fleet, publisher, learner, run_id, console, totals))
+            with interrupt_at_once():
+                asyncio.run(train(settings, cp, fleet, publisher, learner, run_id, console, totals))
             converged = wait_converged(cp, run_id, publisher.version or 0, settings.engines)
         finally:
             publisher.close()
