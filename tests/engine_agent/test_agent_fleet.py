@@ -234,15 +234,25 @@ def test_exact_pinned_request_in_flight_delays_the_commit_and_is_answered_on_its
     reader = threading.Thread(target=stream)
     reader.start()
     assert first_chunk.wait(60), "the pinned request never started"
-    version = fleet.publish()
-    # Staged and ready to commit, but held back: admission closed while the pin is in flight.
-    wait_until(
-        lambda: not server_info(agent)["admission_open"] or not reader.is_alive(),
-        CATCH_UP_S,
-        "the commit to wait at the closed gate",
-    )
-    assert reader.is_alive(), "the pinned request finished before the commit was ready"
-    assert server_info(agent)["applied_version"] == pinned
+    # No race with the generation's speed: the engine is held (paused in place) once the
+    # pinned request is under way, so it stays in flight however fast the machine is and
+    # however long staging takes. The commit never pauses the engine before the gate drains.
+    engine_url = fleet.engines["bf16"].url
+    hold = httpx.post(f"{engine_url}/pause_generation", json={"mode": "in_place"}, timeout=10)
+    assert hold.status_code == 200, hold.text
+    try:
+        version = fleet.publish()
+        # Staged and ready to commit, but held back: admission closed while the pin is in
+        # flight.
+        wait_until(
+            lambda: not server_info(agent)["admission_open"] or not reader.is_alive(),
+            CATCH_UP_S,
+            "the commit to wait at the closed gate",
+        )
+        assert reader.is_alive(), "the pinned request finished before the commit was ready"
+        assert server_info(agent)["applied_version"] == pinned
+    finally:
+        httpx.post(f"{engine_url}/continue_generation", json={}, timeout=10)
     reader.join(120)
     final = chunks[-1]
     assert final["meta_info"]["finish_reason"]["type"] == "length"
