@@ -61,6 +61,8 @@ LEASE_S = 5.0
 CONVERGE_DEADLINE_S = 90.0
 PROMPT = {"text": "1 + 1 =", "sampling_params": {"max_new_tokens": 2, "temperature": 0.0}}
 RETRYABLE = frozenset({409, 503})
+# One engine kept on each version a client pinned, within 8 versions of latest.
+KEEP_PINNED = {"kind": "keep_pinned", "engines": 1, "max_lag": 8, "window_s": 600}
 
 
 # ---------------------------------------------------------------------------- the load
@@ -75,6 +77,8 @@ class RequestRecord:
     constraint: dict[str, int]
     outcome: str  # ok | violation | lost | retryable_failure
     detail: str = ""
+    # Attempts that met a transport error (refused or reset connection, timeout) on the way.
+    transport_errors: int = 0
 
 
 class PinnedLoad:
@@ -137,6 +141,7 @@ class PinnedLoad:
         deadline = started + self.deadline_s
         last = ""
         attempt = 0
+        transport_errors = 0
         while time.monotonic() < deadline:
             urls = self.urls()
             url = urls[(turn + attempt) % len(urls)]
@@ -145,6 +150,7 @@ class PinnedLoad:
                 reply = await client.post(f"{url}/v1/generate", json=body)
             except httpx.TransportError as exc:
                 last = f"transport: {type(exc).__name__}"
+                transport_errors += 1
             else:
                 if reply.status_code == 200:
                     try:
@@ -152,22 +158,29 @@ class PinnedLoad:
                         answer = answer[0] if isinstance(answer, list) else answer
                         span = (answer["weight_version_start"], answer["weight_version_end"])
                     except (ValueError, KeyError, IndexError, TypeError) as exc:
-                        return self._done(started, constraint, "lost", f"malformed: {exc}")
+                        return self._done(
+                            started, constraint, "lost", f"malformed: {exc}", transport_errors
+                        )
                     ok = all(wanted.satisfied_by(int(v)) for v in span)
                     outcome = "ok" if ok else "violation"
-                    return self._done(started, constraint, outcome, f"served {span}")
+                    return self._done(
+                        started, constraint, outcome, f"served {span}", transport_errors
+                    )
                 if reply.status_code not in RETRYABLE:
                     return self._done(
-                        started, constraint, "lost", f"{reply.status_code} {reply.text[:200]}"
-                    )
+                        started, constraint, "lost", f"{reply.status_code} {reply.text[:200]}",
+                        transport_errors,
+                    )  # fmt: skip
                 last = f"{reply.status_code} {reply.text[:120]}"
             # A short pause between attempts, bounded by the request's deadline.
             await asyncio.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
-        return self._done(started, constraint, "retryable_failure", last)
+        return self._done(started, constraint, "retryable_failure", last, transport_errors)
 
     @staticmethod
-    def _done(started: float, constraint: dict[str, int], outcome: str, detail: str):
-        return RequestRecord(started, time.monotonic(), constraint, outcome, detail)
+    def _done(
+        started: float, constraint: dict[str, int], outcome: str, detail: str, transport: int
+    ) -> RequestRecord:
+        return RequestRecord(started, time.monotonic(), constraint, outcome, detail, transport)
 
 
 # ---------------------------------------------------------------------------- the fleet
@@ -453,20 +466,46 @@ class ChaosFleet:
         )  # fmt: skip
         reply.raise_for_status()
 
-    def routable(self, version: int) -> bool:
-        """A pinned request for `version` succeeds through some replica right now."""
+    def set_policy(self, policy: dict[str, Any]) -> None:
+        """Set the run's version policy, as the trainer would."""
+        reply = httpx.put(
+            f"{self.urls[0]}/v1/runs/{RUN}/policy", json=policy, timeout=30.0,
+            headers={"Authorization": f"Bearer {self.tokens['trainer']}"},
+        )  # fmt: skip
+        reply.raise_for_status()
+
+    def gc(self, keep: int) -> Any:
+        """`store gc` of the run; the versions it deleted are no longer owed to anyone."""
+        report = self._store().gc(RUN, keep=keep)
+        self.published = [v for v in self.published if v not in set(report.deleted)]
+        return report
+
+    def pinned_request(self, version: int) -> httpx.Response | None:
+        """One request pinned to `version`, through the first replica that answers (None
+        when none does)."""
         body = {**PROMPT, "run_id": RUN, "weight_version": {"exact_version": version}}
         for url in self.urls:
             try:
-                reply = httpx.post(
+                return httpx.post(
                     f"{url}/v1/generate", json=body, timeout=10.0,
                     headers={"Authorization": f"Bearer {self.tokens['client']}"},
                 )  # fmt: skip
             except httpx.TransportError:
                 continue
-            if reply.status_code == 200:
-                return True
-        return False
+        return None
+
+    def routable(self, version: int) -> bool:
+        """A pinned request for `version` succeeds through some replica right now."""
+        reply = self.pinned_request(version)
+        return reply is not None and reply.status_code == 200
+
+    def refused_for_good(self, version: int) -> dict[str, Any] | None:
+        """The error of a request pinned to `version` when it is not retryable, else None."""
+        reply = self.pinned_request(version)
+        if reply is None or reply.status_code == 200:
+            return None
+        error = dict(reply.json()["error"])
+        return None if error.get("retryable", True) else error
 
     def wait_converged(self, version: int, deadline_s: float = CONVERGE_DEADLINE_S) -> None:
         """Until every agent serves `version` with nothing staged and a request pinned to
@@ -702,6 +741,37 @@ def staging_disk_full(chaos: Chaos) -> None:
     chaos.lifted()
 
 
+def pin_on_a_collected_version(chaos: Chaos) -> None:
+    """Under `keep_pinned`, one engine holds an older version for a client pinned to it;
+    then `store gc` deletes that version. The pinned engine must follow latest again, and
+    a request pinned to the deleted version is refused for good (not told to retry)."""
+    fleet = chaos.fleet
+    fleet.set_policy(KEEP_PINNED)
+    pinned = fleet.publish()
+    fleet.publish()
+    wait_until(lambda: fleet.routable(pinned), 60, f"a request pinned to v{pinned} to be served")
+    held = [
+        m for m in fleet.members if (fleet.server_info(m) or {}).get("applied_version") == pinned
+    ]
+    if not held:
+        raise AssertionError(f"no engine held v{pinned} for its pinned request")
+    # A FULL version on top, so that gc may delete every version below it.
+    latest = fleet.publish_full_after(fleet.latest)
+    report = fleet.gc(keep=1)
+    if pinned not in report.deleted:
+        raise AssertionError(f"gc kept v{pinned}: {report}")
+    chaos.lifted()
+    error = wait_until(
+        lambda: fleet.refused_for_good(pinned),
+        60,
+        f"a request pinned to the deleted v{pinned} to be refused for good",
+        0.2,
+    )
+    if error.get("type") != "WeightVersionUnavailable":
+        raise AssertionError(f"the deleted v{pinned} got {error}")
+    fleet.wait_converged(latest)
+
+
 def _damaged(data: bytes) -> bytes:
     """Flip the last 63 bytes: inside the payload, after the safetensors header."""
     out = bytearray(data)
@@ -741,6 +811,7 @@ SCENARIOS: list[Scenario] = [
     Scenario("publish_while_controlplane_down", publish_while_controlplane_down, FleetSpec()),
     Scenario("damaged_bytes_in_the_store", damaged_bytes_in_the_store, FleetSpec()),
     Scenario("staging_disk_full", staging_disk_full, FleetSpec()),
+    Scenario("pin_on_a_collected_version", pin_on_a_collected_version, FleetSpec(engines=2)),
 ]
 
 
@@ -751,6 +822,9 @@ class ScenarioResult:
     requests: int
     completed: int
     retryable_failures: int
+    # Attempts that met a refused or reset connection (retried, so not lost): a killed
+    # process explains them; a database outage, where every process stays up, must not.
+    transport_errors: int
     requests_lost: int
     constraint_violations: int
     recovery_s: float | None
@@ -811,6 +885,7 @@ def run_scenario(
         requests=len(records),
         completed=sum(r.outcome == "ok" for r in records),
         retryable_failures=sum(r.outcome == "retryable_failure" for r in records),
+        transport_errors=sum(r.transport_errors for r in records),
         requests_lost=len(lost),
         constraint_violations=len(violations),
         recovery_s=recovery,
@@ -865,11 +940,12 @@ def run(
         if not keep:
             shutil.rmtree(work, ignore_errors=True)
     table = Table("scenario", "passed", "requests", "lost", "violations", "retryable fails",
-                  "recovery s", "data lost", "seconds")  # fmt: skip
+                  "transport errors", "recovery s", "data lost", "seconds")  # fmt: skip
     for r in results:
         table.add_row(r.name, "yes" if r.passed else "NO", str(r.requests), str(r.requests_lost),
-                      str(r.constraint_violations), str(r.retryable_failures), str(r.recovery_s),
-                      str(r.data_lost), str(r.seconds))  # fmt: skip
+                      str(r.constraint_violations), str(r.retryable_failures),
+                      str(r.transport_errors), str(r.recovery_s), str(r.data_lost),
+                      str(r.seconds))  # fmt: skip
     console.print(table)
     summary = summarize(results)
     print(json.dumps(summary))

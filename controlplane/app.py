@@ -31,6 +31,8 @@ from controlplane.auth import (
     ensure_admin_token,
     mint_token,
 )
+from controlplane.draining import CHECK_INTERVAL_S as DRAIN_CHECK_S
+from controlplane.draining import draining
 from controlplane.errors import (
     ERROR_RESPONSES,
     EngineUnknown,
@@ -148,14 +150,15 @@ async def _long_poll(
     wait: Callable[[float], Coroutine[Any, Any, None]],
     timeout: float,
 ) -> Any:
-    """Call `check` until it returns something not None or `timeout` passes."""
+    """Call `check` until it returns something not None or `timeout` passes, or the server
+    begins to shut down (the caller then answers as on a timeout)."""
     deadline = time.monotonic() + timeout
     while True:
         found = await check()
         left = deadline - time.monotonic()
-        if found is not None or left <= 0:
+        if found is not None or left <= 0 or draining():
             return found
-        await wait(left)
+        await wait(min(left, DRAIN_CHECK_S))
 
 
 def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:

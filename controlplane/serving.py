@@ -16,6 +16,7 @@ import orjson
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from controlplane.draining import begin as begin_draining
 from controlplane.middleware import headers_too_large
 from controlplane.settings import ControlPlaneSettings
 
@@ -64,6 +65,12 @@ class CappedHttpTools(HttpToolsProtocol):
         self._in_head = False
         self._head_bytes = 0
         super().on_headers_complete()
+
+    def shutdown(self) -> None:
+        # The server calls this on every connection when its graceful shutdown begins:
+        # long-polls then answer at once rather than being cancelled at the grace's end.
+        begin_draining()
+        super().shutdown()
 
     def _refuse(self) -> None:
         body = orjson.dumps(headers_too_large(self._limit - HEAD_SLACK_BYTES).body())

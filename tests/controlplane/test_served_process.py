@@ -1,7 +1,7 @@
 """The served process (`tether controlplane serve`): a request head too large for the cap
 is refused by the HTTP parser itself before it is buffered, so a 16 MB header cannot get
 around the body limit, and the server goes on serving; SIGTERM ends the process although
-long-polls are open (they may last a minute)."""
+long-polls are open (they may last a minute), answering them rather than cancelling them."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def test_a_huge_header_is_a_431_from_the_server_and_serving_goes_on(
     assert ok.status_code == 200
 
 
-def test_sigterm_ends_the_control_plane_while_long_polls_are_open(
+def test_sigterm_ends_the_control_plane_while_long_polls_are_open_and_answers_them(
     tmp_path: Path, processes: list[ManagedProcess]
 ) -> None:
     cp = fresh(tmp_path, processes)
@@ -82,4 +82,10 @@ def test_sigterm_ends_the_control_plane_while_long_polls_are_open(
     # Without a bounded graceful shutdown the process waits out the 60 s long-polls.
     assert cp.wait_exit(30) is not None
     for sock in polls:
+        # Each poll got a clean "nothing new yet" answer, not a reset: its client polls again.
+        answer = b"".join(iter(lambda sock=sock: sock.recv(65536), b""))
         sock.close()
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+        assert json.loads(answer.partition(b"\r\n\r\n")[2]) == {"versions": []}
+    log = (tmp_path / "cp.log").read_text()
+    assert "Traceback" not in log and "Cancel" not in log, log[-2000:]
