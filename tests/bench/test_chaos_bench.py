@@ -53,6 +53,8 @@ def test_the_fleet_survives_the_fault_without_losing_a_request(
     assert result.constraint_violations == 0, result.problems
     assert result.data_lost == 0, result.problems
     assert result.recovery_s is not None, result.problems
+    if not scenario.cuts_client_links:
+        assert result.transport_errors == 0, "no client connection refused or reset"
     assert result.passed, result.problems
     summary = summarize([result])
     assert summary["scenarios_passed"] == 1 and summary["requests_lost"] == 0
