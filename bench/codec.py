@@ -182,6 +182,21 @@ class Case:
         return self.kind == "real-bf16"
 
 
+def warm_up() -> None:
+    """Encode and apply one small change in every element width, so that the codec's
+    compiled kernels are loaded (compiled on a machine's first run) before any timing."""
+    from store.codecs import encode_version, fold
+    from store.tensors import RawTensor
+
+    for dtype, width in (("U8", 1), ("BF16", 2), ("F32", 4)):
+        base = {"w": RawTensor(dtype, (4096,), np.zeros(4096 * width, np.uint8))}
+        data = base["w"].data.copy()
+        data[::7] = 1
+        target = {"w": RawTensor(dtype, (4096,), data)}
+        files = encode_version(target, base, version=1, base_version=0, codec="sparse")
+        fold(base, [files])
+
+
 def _cpu(fn: Callable[[], T]) -> tuple[T, float]:
     """Run `fn` on this thread; return its result and this thread's CPU seconds.
 
@@ -423,6 +438,7 @@ def run(
     from store.codecs import workers
     from store.synthetic import random_checkpoint
 
+    warm_up()
     load_before = os.getloadavg()
     shapes = qwen3_shapes(params)
     n_params = sum(math.prod(s) for s in shapes.values())

@@ -1,8 +1,8 @@
-"""Bit-level streams of `sparse-v2`: Rice-coded gaps, packed fixed-width fields, varints.
+"""Bit-level streams of `sparse-v2`: Rice-coded gaps and values, the Rice parameter, varints.
 
-Everything is vectorised numpy (packbits/unpackbits, cumsum, scatter); no per-element Python
-loop runs here, so the cost per changed element is a few numpy passes. Bits are packed most
-significant first (numpy's `packbits` order); `docs/format.md` §5 specifies them exactly.
+The per-element loops are compiled (`store.codecs.sparse_kernels`); no Python loop runs per
+element here. Bits are packed most significant first (numpy's `packbits` order);
+`docs/format.md` §5 specifies them exactly.
 This module knows nothing about tensors or payload layout; decoders raise `CorruptPayload`
 for streams that do not fit their declared sizes.
 """
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from store.codecs.sparse_kernels import OK, rice_pack, rice_unpack
+from store.codecs.sparse_kernels import rice_parameter as _rice_parameter
 from store.errors import CorruptPayload
-
-_SAMPLE = 1 << 16  # gaps inspected to pick the Rice parameter
 
 
 def rice_parameter(values: np.ndarray, total: int, limit: int = 31) -> int:
@@ -24,86 +24,39 @@ def rice_parameter(values: np.ndarray, total: int, limit: int = 31) -> int:
     Σ(g >> r) ≤ span >> r, so a few huge gaps (clustered changes) cannot blow up the unary
     part.
     """
-    k = int(values.size)
-    if k == 0:
-        return 0
-    centre = max(0, int(np.log2(max(total / k, 1.0))))
-    sample = values[:: max(1, k // _SAMPLE)].astype(np.uint64)
-    best, best_cost = 0, None
-    for r in range(max(0, centre - 3), min(centre + 2, limit) + 1):
-        cost = sample.size * (r + 1) + int((sample >> np.uint64(r)).sum())
-        if best_cost is None or cost < best_cost:
-            best, best_cost = r, cost
-    return best
+    return int(_rice_parameter(values, total, limit))
 
 
 def rice_encode(values: np.ndarray, r: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """(low-bit planes, unary stream, unary bit count) of `values` with Rice parameter r."""
-    unary, bits = unary_stream(values >> values.dtype.type(r))
-    return pack_fields(values, r), unary, bits
+    """(low-bit planes, unary stream, unary bit count) of `values` with Rice parameter r.
+
+    Low bits: r planes, least significant first; plane j holds bit j of every value, packed
+    8 to a byte most significant first (`ceil(k/8)` bytes per plane). Unary: each quotient
+    v >> r as that many zero bits then a one, packed the same way.
+    """
+    if values.size == 0:
+        return np.empty(0, np.uint8), np.empty(0, np.uint8), 0
+    low, unary, bits = rice_pack(values, r)
+    return low, unary, int(bits)
 
 
 def rice_decode(
     low: np.ndarray, unary: np.ndarray, unary_bits: int, count: int, r: int, what: str
 ) -> np.ndarray:
-    """Inverse of `rice_encode`: `count` values as uint64 (arithmetic wraps, never raises)."""
-    quotients = read_unary(unary, unary_bits, count, what).view(np.uint64)
-    values = unpack_fields(low, count, r, np.dtype(np.uint64))
-    quotients <<= np.uint64(r)
-    values += quotients
-    return values
+    """Inverse of `rice_encode`: `count` values as uint64 (arithmetic wraps).
 
-
-def pack_fields(values: np.ndarray, width: int) -> np.ndarray:
-    """The low `width` bits of each value as `width` bit planes, least significant first.
-
-    Plane j holds bit j of every value, packed 8 to a byte (`ceil(k/8)` bytes per plane).
-    Planes, not interleaved fields: each is a few contiguous numpy passes, where splitting
-    interleaved fields needs a k x width matrix (ten times slower).
+    `CorruptPayload` unless the unary stream holds exactly `count` codes, the last ending at
+    bit `unary_bits - 1`, and the streams are as long as those sizes need.
     """
-    if width == 0 or values.size == 0:
-        return np.empty(0, dtype=np.uint8)
-    # packbits on a bool array is ~8x faster than on wider ints.
-    bit = values.dtype.type
-    planes = [np.packbits((values & bit(1 << j)).astype(bool)) for j in range(width)]
-    return np.concatenate(planes)
-
-
-def unpack_fields(stream: np.ndarray, count: int, width: int, dtype: np.dtype) -> np.ndarray:
-    """Inverse of `pack_fields`: `count` unsigned values of `width` bits, as `dtype`."""
-    values = np.zeros(count, dtype=dtype)
-    plane_bytes = -(-count // 8)
-    scratch = np.empty(count, dtype=dtype)
-    for j in range(width):
-        bits = np.unpackbits(stream[j * plane_bytes : (j + 1) * plane_bytes], count=count)
-        np.left_shift(bits, dtype.type(j), out=scratch, dtype=dtype)
-        values |= scratch
-    return values
-
-
-def unary_stream(quotients: np.ndarray) -> tuple[np.ndarray, int]:
-    """Each quotient q as q zero bits then a one; returns (packed bytes, bit count)."""
-    ends = np.cumsum(quotients.astype(np.int64) + 1) - 1
-    count = int(ends[-1]) + 1
-    bits = np.zeros(count, dtype=bool)
-    bits[ends] = True
-    return np.packbits(bits), count
-
-
-def read_unary(stream: np.ndarray, bit_count: int, count: int, what: str) -> np.ndarray:
-    """Inverse of `unary_stream`: `count` quotients (int64) from `bit_count` bits."""
-    if stream.size * 8 < bit_count:
-        raise CorruptPayload(f"{what}: its unary stream is shorter than {bit_count} bits")
-    # flatnonzero on a bool view is ~10x faster than on the uint8 unpackbits returns.
-    ends = np.flatnonzero(np.unpackbits(stream, count=bit_count).view(bool))
-    if ends.size != count or (count and int(ends[-1]) != bit_count - 1):
+    if unary.size * 8 < unary_bits or low.size < r * (-(-count // 8)):
+        raise CorruptPayload(f"{what}: its Rice streams are shorter than {count} values need")
+    values = np.empty(count, dtype=np.uint64)
+    if rice_unpack(low, unary, unary_bits, r, values) != OK:
         raise CorruptPayload(
-            f"{what}: its unary stream holds {ends.size} codes in {bit_count} bits, "
-            f"expected {count} ending at the last bit"
+            f"{what}: its unary stream does not hold {count} codes ending at its last bit "
+            f"({unary_bits} bits)"
         )
-    quotients = np.diff(ends, prepend=-1)
-    quotients -= 1
-    return quotients
+    return values
 
 
 def write_varint(value: int, out: bytearray) -> None:

@@ -10,9 +10,12 @@ one-ulp moves. Every stream is stored raw, as a zstd frame, or as "all zero", wh
 smallest, so clustered changes (long zero runs in the unary stream) still compress.
 
 A tensor is cut into blocks of 2**22 elements, coded independently, so encode and apply run
-over blocks in parallel (`store.codecs.workers`). Elements are compared as unsigned integers
-of their width, so NaN payloads and -0.0 round-trip bit for bit. `docs/format.md` §5 gives
-the byte layout. Never reads or writes anything but the arrays it is given.
+over blocks in parallel (`store.codecs.workers`). The per-element loops (finding changes,
+steps, Rice packing and unpacking, applying steps) are compiled kernels
+(`store.codecs.sparse_kernels`) that release the GIL; this module lays out the streams.
+Elements are compared as unsigned integers of their width, so NaN payloads and -0.0
+round-trip bit for bit. `docs/format.md` §5 gives the byte layout. Never reads or writes
+anything but the arrays it is given.
 """
 
 from __future__ import annotations
@@ -26,12 +29,14 @@ from store.codecs.bitstreams import (
     rice_parameter,
     write_varint,
 )
-from store.codecs.sparse import (
-    byte_planes,
-    float_order,
-    float_unorder,
-    join_planes,
-    scan_changes,
+from store.codecs.sparse import byte_planes, join_planes
+from store.codecs.sparse_kernels import (
+    ERR_MAGNITUDE,
+    OK,
+    apply_steps,
+    gather_changes,
+    mode_bits,
+    split_steps,
 )
 from store.codecs.workers import map_blocks
 from store.codecs.zstd_frames import ZstdContexts, decompress_exact
@@ -48,66 +53,36 @@ _MAX_UNARY_PER_VALUE = 64  # bound on a STEP block's magnitude unary bits per no
 _GAP = np.dtype("<u4")  # gaps inside a block (blocks hold at most 2**31 elements)
 
 
-_ZSTD_OVERHEAD_BITS = 8 * 48  # frame header and Huffman table of a small zstd frame
-
-
-def _plane_bits(values: np.ndarray) -> float:
-    """Estimated bits of the byte planes of `values` as stored: per plane nothing if all
-    zero, else its order-0 entropy plus a zstd frame's overhead, or raw if that is less
-    (few changes: the entropy of a handful of samples says nothing, raw bytes are what
-    gets written)."""
-    width = values.dtype.itemsize
-    planes = values.view(np.uint8).reshape(-1, width)
-    total = 0.0
-    for j in range(width):
-        counts = np.bincount(planes[:, j], minlength=256)
-        if counts[0] == planes.shape[0]:
-            continue
-        counts = counts[counts > 0]
-        entropy = -float((counts * np.log2(counts / planes.shape[0])).sum())
-        total += min(8.0 * planes.shape[0], entropy + _ZSTD_OVERHEAD_BITS)
-    return total
-
-
 def _step_parts(new: np.ndarray, old: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(sign, magnitude) of order(new) - order(old), a nonzero wrapped difference.
 
     sign = 1 for a move down; magnitude = |difference| - 1, so a one-ulp move is 0.
     """
-    step = float_order(new)
-    step -= float_order(old)
-    down = step >= step.dtype.type(1 << (8 * step.dtype.itemsize - 1))
-    np.negative(step, out=step, where=down)
-    step -= step.dtype.type(1)
-    return down, step
+    down = np.empty(new.size, dtype=bool)
+    magnitude = np.empty_like(new)
+    split_steps(new, old, 8 * new.dtype.itemsize, down, magnitude)
+    return down, magnitude
 
 
-def _rice_bits(values: np.ndarray, total: int) -> float:
-    r = rice_parameter(values, total, 62)
-    return float(values.size * (r + 1) + int((values.astype(np.uint64) >> np.uint64(r)).sum()))
-
-
-def _magnitude_bits(magnitude: np.ndarray) -> float:
-    """Bits the STEP layout spends on magnitudes: Rice-coded positions and values of the
-    nonzero ones."""
-    nonzero = np.flatnonzero(magnitude)
-    if not nonzero.size:
-        return 0.0
-    gaps = np.diff(nonzero, prepend=-1) - 1
-    values = magnitude[nonzero] - magnitude.dtype.type(1)
-    return _rice_bits(gaps, magnitude.size) + _rice_bits(values, int(values.sum(dtype=np.uint64)))
+def _changes(new: np.ndarray, old: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(gaps before each changed element, their new bits, their old bits) of one block."""
+    mask = np.not_equal(new, old)
+    k = int(np.count_nonzero(mask))
+    gaps = np.empty(k, dtype=_GAP)
+    news, olds = np.empty(k, dtype=new.dtype), np.empty(k, dtype=old.dtype)
+    if k:
+        words = np.packbits(mask, bitorder="little")
+        words = np.pad(words, (0, -words.size % 8)).view("<u8")
+        gather_changes(new, old, words, gaps, news, olds)
+    return gaps, news, olds
 
 
 def _choose_mode(new: np.ndarray, old: np.ndarray) -> int:
     """The value representation with the fewest estimated bits on a sample (STEP wins ties)."""
-    new, old = new[:_MODE_SAMPLE], old[:_MODE_SAMPLE]
-    sign, magnitude = _step_parts(new, old)
-    estimates = {
-        VALUES_STEP: float(sign.size) + _magnitude_bits(magnitude),
-        VALUES_XOR: _plane_bits(new ^ old),
-        VALUES_NEW: _plane_bits(new),
-    }
-    return min(estimates, key=estimates.__getitem__)
+    estimates = np.empty(3)
+    mode_bits(new[:_MODE_SAMPLE], old[:_MODE_SAMPLE], 8 * new.dtype.itemsize, estimates)
+    by_mode = {VALUES_STEP: estimates[2], VALUES_XOR: estimates[1], VALUES_NEW: estimates[0]}
+    return min(by_mode, key=by_mode.__getitem__)
 
 
 def _check_unary(bits: int, count: int, slack: int, what: str) -> None:
@@ -168,7 +143,7 @@ class SparseV2Codec:
         return streams
 
     def _encode_block(self, new: np.ndarray, old: np.ndarray) -> bytes:
-        gaps, new_values, old_values = scan_changes(new, old, _GAP)
+        gaps, new_values, old_values = _changes(new, old)
         changed = int(gaps.size)
         head = bytearray()
         write_varint(changed, head)
@@ -298,26 +273,25 @@ class SparseV2Codec:
         else:
             sizes += [changed] * bits.dtype.itemsize
         streams = self._read_streams(block, offset, sizes, what)
-        gaps = rice_decode(streams[0], streams[1], unary_bits, changed, r, what).view(np.int64)
-        gaps += 1
-        positions = np.cumsum(gaps, out=gaps)
-        positions -= 1
-        if int(positions[-1]) >= bits.size:
-            raise CorruptPayload(f"{what} places a change past the end of its block")
+        gaps = rice_decode(streams[0], streams[1], unary_bits, changed, r, what)
         if mode == VALUES_STEP:
-            step = np.ones(changed, dtype=bits.dtype)
+            at = magnitude = np.empty(0, dtype=np.uint64)
             if nonzero:
                 at = rice_decode(streams[3], streams[4], gap_bits, nonzero, r_gap, what)
-                at = np.cumsum(at.view(np.int64) + 1) - 1
-                if int(at[-1]) >= changed:
-                    raise CorruptPayload(f"{what} places a magnitude past its last change")
                 magnitude = rice_decode(streams[5], streams[6], value_bits, nonzero, r_value, what)
-                magnitude += np.uint64(1)  # stored: m - 1 of each nonzero m; step = m + 1
-                step[at] += magnitude.astype(bits.dtype)
-            sign = np.unpackbits(streams[2], count=changed).view(bool)
-            np.negative(step, out=step, where=sign)
-            bits[positions] = float_unorder(float_order(bits[positions]) + step)
-        elif mode == VALUES_XOR:
+            width = 8 * bits.dtype.itemsize
+            error = apply_steps(bits, gaps, streams[2], at, magnitude, width)
+            if error == ERR_MAGNITUDE:
+                raise CorruptPayload(f"{what} places a magnitude past its last change")
+            if error != OK:
+                raise CorruptPayload(f"{what} places a change past the end of its block")
+            return changed
+        if int(gaps.max()) >= bits.size:
+            raise CorruptPayload(f"{what} places a change past the end of its block")
+        positions = np.cumsum(gaps.view(np.int64) + 1) - 1
+        if int(positions[-1]) >= bits.size:
+            raise CorruptPayload(f"{what} places a change past the end of its block")
+        if mode == VALUES_XOR:
             bits[positions] ^= join_planes(streams[2:], bits.dtype.itemsize)
         else:
             bits[positions] = join_planes(streams[2:], bits.dtype.itemsize)

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from store.codecs import encode_version, fold, workers
+from store.codecs.bitstreams import rice_decode, rice_encode
 from store.codecs.delta import encode_delta
 from store.codecs.fold import read_manifest
 from store.codecs.sparse import SparseCodec
@@ -312,3 +313,49 @@ def test_a_decoder_written_from_the_document_reads_tethers_payloads(dtype):
     assert payload is not None
     decoded = doc_decode(payload.tobytes(), [int(x) for x in old], w)
     assert decoded == [int(x) for x in new]
+
+
+def documented_rice(values: np.ndarray, r: int) -> tuple[bytes, bytes, int]:
+    """docs/format.md §5's Rice streams, written the slow obvious way: bit j of every value
+    as plane j (least significant first), then each quotient as zeros and a one, both packed
+    most significant bit first."""
+    planes = b"".join(np.packbits((values >> j) & 1).tobytes() for j in range(r))
+    unary = "".join("0" * int(v >> r) + "1" for v in values)
+    padded = unary + "0" * (-len(unary) % 8)
+    return planes, bytes(int(padded[i : i + 8], 2) for i in range(0, len(padded), 8)), len(unary)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    values=st.lists(st.integers(0, 5000), min_size=1, max_size=300),
+    r=st.integers(0, 12),
+)
+def test_rice_streams_are_the_documented_bits_and_decode_back(values, r):
+    array = np.array(values, dtype=np.uint32)
+    low, unary, bits = rice_encode(array, r)
+    assert (low.tobytes(), unary.tobytes(), bits) == documented_rice(array, r)
+    assert np.array_equal(rice_decode(low, unary, bits, array.size, r, "t"), array)
+
+
+@pytest.mark.parametrize(("count", "bits"), [(4, 8), (6, 8), (5, 7), (5, 10)])
+def test_a_unary_stream_with_another_number_of_codes_is_refused(count, bits):
+    low, unary, unary_bits = rice_encode(np.array([0, 1, 2, 0, 0], dtype=np.uint32), 0)
+    assert unary_bits == 8  # 1 01 001 1 1
+    with pytest.raises(CorruptPayload):
+        rice_decode(low, np.append(unary, 0xFF), bits, count, 0, "t")
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32])
+def test_changes_are_found_across_word_and_block_edges(dtype):
+    """Changes at the first and last element, on both sides of 64-element mask words and of
+    blocks, in every element width, with steps in both directions and of any size."""
+    size = 3 * 256 + 70
+    old = np.random.default_rng(3).integers(0, np.iinfo(dtype).max, size, dtype=dtype)
+    new = old.copy()
+    where = np.array([0, 63, 64, 127, 255, 256, 257, 511, 700, size - 1])
+    new[where] += np.array([1, 2, 3, 200, 1, 1, 7, 1, 9, 1], dtype=dtype)
+    dtype_name = {np.uint8: "U8", np.uint16: "BF16", np.uint32: "F32"}[dtype]
+    target = RawTensor(dtype_name, (size,), new.view(np.uint8))
+    base = RawTensor(dtype_name, (size,), old.view(np.uint8))
+    assert np.array_equal(round_trip(SMALL_BLOCKS, target, base), target.data)
+    assert np.array_equal(round_trip(SparseV2Codec(), target, base), target.data)

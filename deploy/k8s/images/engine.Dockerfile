@@ -20,7 +20,7 @@ COPY bench ./bench
 # --no-deps for the heavy packages SGLang already pins (torch, transformers); the rest of
 # the agent's requirements are small.
 RUN pip install --no-cache-dir --no-deps . \
- && pip install --no-cache-dir zstandard xxhash fsspec pydantic-settings typer rich \
+ && pip install --no-cache-dir zstandard numba xxhash fsspec pydantic-settings typer rich \
       httpx boto3 prometheus_client
 EXPOSE 8800 30000
 ENTRYPOINT []
