@@ -20,7 +20,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
-from controlplane import dashboard
+from controlplane import dashboard, session_routes
 from controlplane import db as dbmod
 from controlplane.auth import (
     ADMIN,
@@ -237,6 +237,7 @@ def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:
     app.install_hot_lane(hot_path, RequestMetrics(BodyLimit(hot_path, **limits), cp.metrics))
 
     dashboard.install(app, cp, role)
+    app.state.chat_sessions = session_routes.install(app, cp, role)
 
     # ------------------------------------------------------------------ ops
 

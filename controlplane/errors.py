@@ -23,9 +23,10 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     for status, text in {
         401: "missing or unknown bearer token",
         403: "the token's role may not call this route",
-        404: "unknown run, engine or version",
+        404: "unknown run, engine, version or session",
         409: "conflict: WeightVersionNotReady is retryable (see Retry-After); "
         "WeightVersionUnavailable and PrecisionNotServed are not",
+        410: "the session ended or expired",
         413: "request body over the configured limit",
         422: "invalid request; `field` names the offending field",
         431: "request headers over the configured limit",
@@ -82,6 +83,30 @@ class RunUnknown(NotFound):
 
 class NoVersionYet(NotFound):
     pass
+
+
+class SessionUnknown(NotFound):
+    """No such session (or not this caller's): create one with POST /v1/sessions."""
+
+
+class SessionGone(ApiError):
+    """The session ended (DELETE) or expired: start a new one."""
+
+    status = 410
+
+
+class SessionBusy(ApiError):
+    """Another turn of the session is in progress: send a session's turns one at a time."""
+
+    status = 409
+    retryable = True
+
+
+class SessionHistoryMismatch(ApiError):
+    """The request's messages do not repeat the session's recorded turns (`field` names the
+    first that differs): send the conversation exactly as it was answered."""
+
+    status = 422
 
 
 class EngineNotOwned(Forbidden):

@@ -139,6 +139,25 @@ def _by_load(
     return min(chosen, key=lambda e: _load(e, local_in_flight))
 
 
+def eligible(
+    snap: FleetSnapshot,
+    run_id: str,
+    constraint: VersionConstraint,
+    *,
+    precisions: Collection[Precision] | None = None,
+    exclude: Collection[str] = (),
+    now: float,
+) -> list[EngineView]:
+    """Every engine that could take the request now (agent sessions place by load over
+    all of them, see `controlplane/placement.py`)."""
+    return [
+        engine
+        for group, lo, hi in _candidates(snap, run_id, constraint, precisions)
+        for engine in group.engines[lo:hi]
+        if _usable(engine, now, exclude)
+    ]
+
+
 def retry_after_s(
     snap: FleetSnapshot, run_id: str, constraint: VersionConstraint, now: float, default: float
 ) -> float:

@@ -51,3 +51,8 @@ class ControlPlaneSettings(BaseSettings):
     # While the database is away: how long the router keeps routing on its last fleet view
     # (leases do not lapse meanwhile) and accepts tokens by their last known role.
     outage_grace_s: float = Field(default=60.0, ge=0)
+    # Agent sessions (`controlplane/chat_sessions.py`): how long one lives after its last
+    # turn unless its create body says, and how many this process keeps in memory (the
+    # database holds them all; a session out of memory is read back on its next turn).
+    session_ttl_s: float = Field(default=3600.0, gt=0)
+    session_cache: int = Field(default=1000, ge=1)

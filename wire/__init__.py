@@ -1,9 +1,10 @@
 """The wire contract between the control plane, the engine agent and the trainer's clients.
 
 Every request and response body as a pydantic model, and the header names, one module per
-concept (`engines`, `runs`, `fleet`, `tokens`, `routing`, `errors`, `headers`, `health`). Both sides
-import this package; it imports pydantic and the store vocabulary only, never FastAPI,
-SQLAlchemy or another Tether package, so clients stay light and never depend on the server.
+concept (`engines`, `runs`, `fleet`, `tokens`, `routing`, `sessions`, `errors`, `headers`,
+`health`). Both sides import this package; it imports pydantic and the store vocabulary
+only, never FastAPI, SQLAlchemy or another Tether package, so clients stay light and never
+depend on the server.
 Tether's own bodies reject unknown fields.
 """
 
@@ -66,6 +67,16 @@ from wire.runs import (
     VersionList,
     VersionNotify,
 )
+from wire.sessions import (
+    DEFAULT_SESSION_TTL_S,
+    SessionCreate,
+    SessionInfo,
+    SessionState,
+    SessionVersion,
+    Trajectory,
+    TurnInfo,
+    TurnRecord,
+)
 from wire.tokens import (
     Role,
     TokenCreate,
@@ -73,6 +84,7 @@ from wire.tokens import (
 )
 
 __all__ = [
+    "DEFAULT_SESSION_TTL_S",
     "ENGINE_ID_HEADER",
     "MAX_INT",
     "RUN_HEADER",
@@ -104,12 +116,19 @@ __all__ = [
     "RunCreate",
     "RunInfo",
     "RunList",
+    "SessionCreate",
+    "SessionInfo",
+    "SessionState",
+    "SessionVersion",
     "SyncState",
     "TargetPolicy",
     "TargetReply",
     "TetherModel",
     "TokenCreate",
     "TokenCreated",
+    "Trajectory",
+    "TurnInfo",
+    "TurnRecord",
     "Version",
     "VersionInfo",
     "VersionList",

@@ -42,6 +42,11 @@ ROUTES = [
     ("GET", "/v1/route?run_id=auth", {"client", "trainer"}, None),
     ("GET", "/v1/fleet/overview", {"client", "trainer", "viewer"}, None),
     ("POST", "/v1/runs/auth/gap", {"trainer"}, {"step": 1}),
+    ("POST", "/v1/sessions", {"client", "trainer"}, {"run_id": "auth"}),
+    ("GET", "/v1/sessions/{session_id}", {"client", "trainer"}, None),
+    ("GET", "/v1/sessions/{session_id}/trajectory", {"client", "trainer"}, None),
+    ("DELETE", "/v1/sessions/{session_id}", {"client", "trainer"}, None),
+    ("POST", "/v1/sessions/{session_id}/chat/completions", {"client", "trainer"}, {"messages": []}),
 ]
 
 
