@@ -33,7 +33,9 @@ def test_only_sampled_tokens_train_and_their_sampler_logprobs_sit_one_position_e
     logits = torch.randn(2, 6, 12, requires_grad=True)
     logprobs = next_token_logprobs(logits, batch.input_ids)
     assert logprobs.shape == batch.mask.shape
-    out = policy_loss(logprobs, batch.sampler_logprobs, torch.tensor([1.0, -1.0]), batch.mask)
+    advantages = torch.tensor([1.0, -1.0])
+    # No behaviour correction: random logits are far from the sampler's, MIS would drop all.
+    out = policy_loss(logprobs, batch.sampler_logprobs, advantages, batch.mask, "none")
     out.loss.backward()
     assert logits.grad is not None
     # Positions whose next token the model did not sample get no gradient.
