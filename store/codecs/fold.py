@@ -50,6 +50,26 @@ def _check_lineage(manifests: Sequence[Manifest]) -> None:
             )
 
 
+_ALIGN = 64  # each tensor's buffer starts on a cache line (and any element's alignment)
+
+
+def _fresh_buffers(tensors: Mapping[str, RawTensor], names: list[str]) -> dict[str, np.ndarray]:
+    """An uninitialised buffer per named tensor, all views of one allocation.
+
+    One large allocation is backed by huge pages and faulted in once, where a fresh array
+    per tensor (most under numpy's 4 MiB huge-page threshold) costs a page fault per 4 KiB:
+    copying the base into it ran at ~2.7 GB/s per core, into the shared one at ~10.
+    """
+    offsets, total = {}, 0
+    for name in names:
+        offsets[name] = total
+        total += -(-tensors[name].data.nbytes // _ALIGN) * _ALIGN
+    arena = np.empty(total, dtype=np.uint8)
+    return {
+        name: arena[offsets[name] : offsets[name] + tensors[name].data.nbytes] for name in names
+    }
+
+
 def fold_chain(
     base: Mapping[str, RawTensor] | None, versions: Sequence[Mapping[str, bytes]]
 ) -> dict[str, RawTensor]:
@@ -88,9 +108,13 @@ def fold_chain(
             steps.setdefault(name, []).append((codec, entry.payload))
             final_checksum[name] = entry.checksum
 
+    changed = [name for name in base if steps.get(name)]
+    buffers = _fresh_buffers(base, changed)
+
     def apply(name: str) -> RawTensor:
         tensor = base[name]
-        buffer = tensor.data.copy()
+        buffer = buffers[name]
+        np.copyto(buffer, tensor.data)
         for codec, payload in steps[name]:
             codec.apply_into(buffer, payload, tensor.itemsize, name)
         found = tensor_checksum(buffer)
@@ -104,6 +128,5 @@ def fold_chain(
 
     # Tensors apply in parallel (numpy, zstd and xxh3 release the GIL); the result keeps the
     # base's order, and the first error is raised before anything is returned.
-    changed = [name for name in base if steps.get(name)]
     applied = dict(zip(changed, map_tensors(apply, changed), strict=True))
     return {name: applied.get(name, tensor) for name, tensor in base.items()}

@@ -271,6 +271,24 @@ def _plane_bits_py(values: np.ndarray, width_bits: int) -> float:
     return total
 
 
+def _nonzero_runs_py(magnitude: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.int64]:
+    """(gaps between the nonzero magnitudes, each nonzero magnitude - 1, their sum)."""
+    k = magnitude.size
+    gaps = np.empty(k, np.uint32)
+    values = np.empty(k, np.uint64)
+    m = 0
+    last = -1
+    total = np.int64(0)
+    for i in range(k):
+        if magnitude[i]:
+            gaps[m] = i - last - 1
+            values[m] = np.uint64(magnitude[i]) - np.uint64(1)
+            total += np.int64(values[m])
+            last = i
+            m += 1
+    return gaps[:m], values[:m], total
+
+
 def _mode_bits_py(new: np.ndarray, old: np.ndarray, width_bits: int, out: np.ndarray) -> None:
     """Estimated bits of each value representation of the changes (new[i] != old[i]):
     out[0] storing the new bits, out[1] new XOR old, out[2] the step (a sign per change
@@ -279,21 +297,10 @@ def _mode_bits_py(new: np.ndarray, old: np.ndarray, width_bits: int, out: np.nda
     down = np.empty(k, np.bool_)
     magnitude = np.empty(k, np.uint64)
     split_steps(new, old, width_bits, down, magnitude)
-    gaps = np.empty(k, np.uint64)
-    values = np.empty(k, np.uint64)
-    m = 0
-    last = -1
-    value_total = np.int64(0)
-    for i in range(k):
-        if magnitude[i]:
-            gaps[m] = i - last - 1
-            values[m] = magnitude[i] - np.uint64(1)
-            value_total += np.int64(values[m])
-            last = i
-            m += 1
+    gaps, values, value_total = nonzero_runs(magnitude)
     step = float(k)
-    if m:
-        step += rice_bits(gaps[:m], k) + rice_bits(values[:m], value_total)
+    if gaps.size:
+        step += rice_bits(gaps, k) + rice_bits(values, value_total)
     out[0] = plane_bits(new, width_bits)
     out[1] = plane_bits(new ^ old, width_bits)
     out[2] = step
@@ -307,4 +314,5 @@ rice_pack = _jit(_rice_pack_py)
 rice_unpack = _jit(_rice_unpack_py)
 apply_steps = _jit(_apply_steps_py)
 split_steps = _jit(_split_steps_py)
+nonzero_runs = _jit(_nonzero_runs_py)
 mode_bits = _jit(_mode_bits_py)

@@ -36,6 +36,7 @@ from store.codecs.sparse_kernels import (
     apply_steps,
     gather_changes,
     mode_bits,
+    nonzero_runs,
     split_steps,
 )
 from store.codecs.workers import map_blocks
@@ -71,8 +72,9 @@ def _changes(new: np.ndarray, old: np.ndarray) -> tuple[np.ndarray, np.ndarray, 
     gaps = np.empty(k, dtype=_GAP)
     news, olds = np.empty(k, dtype=new.dtype), np.empty(k, dtype=old.dtype)
     if k:
-        words = np.packbits(mask, bitorder="little")
-        words = np.pad(words, (0, -words.size % 8)).view("<u8")
+        words = np.zeros(-(-mask.size // 64), dtype="<u8")
+        packed = np.packbits(mask, bitorder="little")
+        words.view(np.uint8)[: packed.size] = packed
         gather_changes(new, old, words, gaps, news, olds)
     return gaps, news, olds
 
@@ -119,18 +121,15 @@ class SparseV2Codec:
         """STEP streams (signs, then nonzero magnitudes' Rice-coded positions and values),
         their header fields appended to `head`; None if the magnitudes are too wild."""
         sign, magnitude = _step_parts(new_values, old_values)
-        nonzero = np.flatnonzero(magnitude).astype(_GAP)
+        gaps, values, total = nonzero_runs(magnitude)
         streams = [np.packbits(sign)]
         fields = bytearray()
-        write_varint(int(nonzero.size), fields)
-        if nonzero.size:
-            gaps = np.diff(nonzero, prepend=_GAP.type(0))
-            gaps[1:] -= _GAP.type(1)
-            values = magnitude[nonzero] - magnitude.dtype.type(1)
+        write_varint(int(gaps.size), fields)
+        if gaps.size:
             r_gap = rice_parameter(gaps, int(magnitude.size))
-            r_value = rice_parameter(values, int(values.sum(dtype=np.uint64)), 62)
-            bound = _MAX_UNARY_PER_VALUE * int(nonzero.size)
-            if int((values.astype(np.uint64) >> np.uint64(r_value)).sum()) > bound:
+            r_value = rice_parameter(values, int(total), 62)
+            bound = _MAX_UNARY_PER_VALUE * int(gaps.size)
+            if int((values >> np.uint64(r_value)).sum()) > bound:
                 return None
             gap_low, gap_unary, gap_bits = rice_encode(gaps, r_gap)
             value_low, value_unary, value_bits = rice_encode(values, r_value)
