@@ -18,18 +18,26 @@ from dataclasses import dataclass
 
 PASSED, FAILED = "passed", "failed"
 
-# (way it must end, body); `{a}` and `{b}` are distinct random numbers.
-_BODIES: tuple[tuple[str, str], ...] = (
-    (FAILED, "assert {a} == {b}"),
-    (FAILED, "self.assertEqual({a}, {b})"),
-    (FAILED, "self.assertTrue({a} == {b})"),
-    (FAILED, "with self.assertRaises(ValueError):\n            int('{a}')"),
-    (FAILED, "with self.assertRaisesRegex(ValueError, 'x'):\n            int('{a}')"),
-    (FAILED, "pytest.fail('canary {a}')"),
-    (FAILED, "raise RuntimeError('canary {a}')"),
-    (PASSED, "self.assertEqual({a}, {a})"),
-    (PASSED, "assert {a} != {b}"),
-    (PASSED, "with self.assertRaises(ValueError):\n            int('x{a}')"),
+# (way it must end, what it checks, body); `{a}` and `{b}` are distinct random numbers.
+_BODIES: tuple[tuple[str, str, str], ...] = (
+    (FAILED, "assert", "assert {a} == {b}"),
+    (FAILED, "assertEqual", "self.assertEqual({a}, {b})"),
+    (FAILED, "assertTrue", "self.assertTrue({a} == {b})"),
+    (FAILED, "assertRaises", "with self.assertRaises(ValueError):\n            int('{a}')"),
+    (
+        FAILED,
+        "assertRaisesRegex",
+        "with self.assertRaisesRegex(ValueError, 'x'):\n            int('{a}')",
+    ),
+    (FAILED, "pytest.fail", "pytest.fail('canary {a}')"),
+    (FAILED, "an exception", "raise RuntimeError('canary {a}')"),
+    (PASSED, "assertEqual of equal values", "self.assertEqual({a}, {a})"),
+    (PASSED, "a true assert", "assert {a} != {b}"),
+    (
+        PASSED,
+        "assertRaises of a raise",
+        "with self.assertRaises(ValueError):\n            int('x{a}')",
+    ),
 )
 
 
@@ -40,11 +48,14 @@ class Canaries:
     path: str
     source: str
     expected: dict[str, str]
+    checks: dict[str, str]  # node id → what the canary checks, to name it in a verdict
 
     def deviations(self, outcomes: Mapping[str, str]) -> list[str]:
-        """`nodeid: expected X, got Y` for each canary whose outcome is not the required one."""
+        """`<check> canary <nodeid>: must have X, got Y` for each canary that did not end as
+        it must."""
         return [
-            f"{nodeid}: must have {want}, got {outcomes.get(nodeid, 'missing')}"
+            f"{self.checks[nodeid]} canary {nodeid}: must have {want}, "
+            f"got {outcomes.get(nodeid, 'missing')}"
             for nodeid, want in sorted(self.expected.items())
             if outcomes.get(nodeid) != want
         ]
@@ -58,16 +69,19 @@ def make_canaries(test_file: str) -> Canaries:
     cls = f"Test{secrets.token_hex(4).upper()}"
     lines = ["import unittest", "", "import pytest", "", "", f"class {cls}(unittest.TestCase):"]
     expected: dict[str, str] = {}
+    checks: dict[str, str] = {}
     functions: list[str] = []
-    for want, body in _BODIES:
+    for want, check, body in _BODIES:
         a = secrets.randbelow(1 << 30)
         b = a + 1 + secrets.randbelow(1 << 10)
         name = f"test_{secrets.token_hex(5)}"
         lines += [f"    def {name}(self):", "        " + body.format(a=a, b=b), ""]
         expected[f"{path}::{cls}::{name}"] = want
+        checks[f"{path}::{cls}::{name}"] = check
         if "self." not in body:
             # Plain functions too: pytest runs them itself, not through unittest's result.
             name = f"test_{secrets.token_hex(5)}"
             functions += ["", "", f"def {name}():", "    " + body.format(a=a, b=b)]
             expected[f"{path}::{name}"] = want
-    return Canaries(path, "\n".join(lines + functions) + "\n", expected)
+            checks[f"{path}::{name}"] = check
+    return Canaries(path, "\n".join(lines + functions) + "\n", expected, checks)

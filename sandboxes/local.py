@@ -393,6 +393,12 @@ class LocalSandbox(Sandbox):
             if remaining <= 0:
                 timed_out = True
                 break
+            if not any(reader.is_alive() for reader in readers):
+                # Both pipes are closed, so the command is exiting (bwrap holds them too):
+                # wait on the process itself, not on the next 0.1 s tick.
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(min(remaining, 0.1))
+                continue
             progressed.wait(min(remaining, 0.1))
             progressed.clear()
         if timed_out or limited:

@@ -56,7 +56,9 @@ def cap_bytes(data: bytes, keep: int) -> tuple[bytes, bool]:
 def drain_in_thread(
     pipe: IO[bytes], stream: CappedStream, on_chunk: threading.Event
 ) -> threading.Thread:
-    """Read `pipe` to EOF into `stream` on a daemon thread; set `on_chunk` after each read."""
+    """Read `pipe` to EOF into `stream` on a daemon thread; set `on_chunk` after each read
+    and at EOF (the child closing its output is usually the child exiting: the supervisor
+    wakes at once instead of at its next poll)."""
 
     # A Popen pipe is buffered (bufsize -1), so it has read1: whatever is available, <= n.
     reader = cast(io.BufferedReader, pipe)
@@ -66,6 +68,7 @@ def drain_in_thread(
             while chunk := reader.read1(65536):
                 stream.feed(chunk)
                 on_chunk.set()
+        on_chunk.set()
 
     thread = threading.Thread(target=pump, name="sandbox-output", daemon=True)
     thread.start()

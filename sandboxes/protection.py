@@ -6,7 +6,9 @@ nearest enclosing folder named like `test*`, so `tests/__init__.py` is covered),
 pytest loads on its own
 (`conftest.py`, pytest/tox configuration), interpreter start-up hooks (`sitecustomize.py`,
 `usercustomize.py`, `*.pth`) and bytecode (`__pycache__`, `*.pyc`), which Python may load
-instead of a restored source. What a patch touches is judged twice: from the
+instead of a restored source. `pyproject.toml` and `setup.cfg` also hold what is not the
+test runner's (a dependency, package metadata): only their pytest sections are protected,
+compared parsed before and after the patch. What a patch touches is judged twice: from the
 diff's text, and from git's own account of the tree after applying it (`git status -z`,
 `git apply --numstat -z`), so no spelling of the diff's paths (prefixes other than a/ b/)
 slips by. This module only reads text; it never applies a diff or runs git.
@@ -14,9 +16,12 @@ slips by. This module only reads text; it never applies a diff or runs git.
 
 from __future__ import annotations
 
+import configparser
 import fnmatch
+import json
 import posixpath
 import re
+import tomllib
 
 from sandboxes.task import Task
 
@@ -28,13 +33,13 @@ ALWAYS_PROTECTED_NAMES = frozenset(
         "pytest.toml",
         ".pytest.toml",
         "tox.ini",
-        "setup.cfg",
-        "pyproject.toml",
         "sitecustomize.py",
         "usercustomize.py",
     }
 )
 ALWAYS_PROTECTED_SUFFIXES = (".pth", ".pyc", ".pyo")
+# Files whose pytest sections only are protected (the rest is the project's to change).
+SECTION_PROTECTED_NAMES = frozenset({"pyproject.toml", "setup.cfg"})
 
 _GIT_HEADER = re.compile(r'^diff --git (?P<a>"(?:[^"\\]|\\.)*"|\S+) (?P<b>"(?:[^"\\]|\\.)*"|\S+)$')
 _NAME_LINES = ("--- ", "+++ ", "rename from ", "rename to ", "copy from ", "copy to ")
@@ -180,3 +185,39 @@ def protected_violations(task: Task, touched: set[str]) -> list[str]:
         ):
             bad.append(path)
     return sorted(bad)
+
+
+def runner_sections(name: str, text: str | None) -> str | None:
+    """The test runner's sections of a `pyproject.toml` or `setup.cfg`, canonical JSON.
+
+    pyproject.toml: `[tool.pytest]` (with `ini_options`, and pytest 9's native table);
+    setup.cfg: `[tool:pytest]` and `[pytest]`. None for a missing file; a file that does not
+    parse is its own text, so any change to it counts.
+    """
+    if text is None:
+        return None
+    try:
+        if name == "pyproject.toml":
+            sections: object = tomllib.loads(text).get("tool", {}).get("pytest")
+        else:
+            parser = configparser.RawConfigParser(strict=False)
+            parser.read_string(text)
+            sections = {
+                section: dict(parser.items(section))
+                for section in ("tool:pytest", "pytest")
+                if parser.has_section(section)
+            }
+    except (tomllib.TOMLDecodeError, configparser.Error, AttributeError):
+        return "unparsable: " + text
+    return json.dumps(sections, sort_keys=True, default=str)
+
+
+def section_protected(touched: set[str]) -> list[str]:
+    """The touched files whose pytest sections must be compared before and after, sorted."""
+    return sorted(p for p in touched if posixpath.basename(p) in SECTION_PROTECTED_NAMES)
+
+
+def runner_pathspecs() -> list[str]:
+    """git pathspecs of every file pytest or Python loads on its own, wherever it lies."""
+    names = [*sorted(ALWAYS_PROTECTED_NAMES), *(f"*{s}" for s in ALWAYS_PROTECTED_SUFFIXES)]
+    return [f":(glob)**/{name}" for name in names]

@@ -4,9 +4,10 @@ Order, each step inside the sandbox unless noted: (host) reject patches touching
 paths or whose added source lines reach into the test harness (`harness_guard`) → build the
 fresh base snapshot → upload → check the interpreter runs pytest → setup command → strict
 `git apply` of the policy patch → reject it if git's view of the changed tree reaches a
-protected path (`git status`, `git apply --numstat`: however its diff spells paths) →
-restore the task's test folders and test files and remove files the test
-patch creates → apply the test patch → run the tests through our launcher
+protected path (`git status`, `git apply --numstat`: however its diff spells paths; only
+the pytest sections of `pyproject.toml`/`setup.cfg`) → restore from the base every runner
+file (conftest, pytest/tox configuration, start-up hooks, bytecode) and the task's test
+folders and test files, removing what is untracked in the latter → apply the test patch → run the tests through our launcher
 (`sandboxes.pytest_plugin`), its secrets given on stdin → parse the JUnit report, check its
 nonce, the runner's exit status and the launcher's signed records against each other,
 require every required test PASSED.
@@ -37,10 +38,13 @@ from sandboxes.errors import InvalidTask, SandboxError
 from sandboxes.harness_guard import harness_reaches
 from sandboxes.parsers import ReportParser, ReportUnreadable, TestOutcome, TestReport, get_parser
 from sandboxes.protection import (
-    added_paths,
     numstat_paths,
     patch_paths,
+    protected_test_files,
     protected_violations,
+    runner_pathspecs,
+    runner_sections,
+    section_protected,
     status_paths,
     task_test_folders,
 )
@@ -241,9 +245,8 @@ def _run_in(
         if not applied.ok:
             raise _fail(f"the patch does not apply with git apply ({applied.describe()})", applied)
         _refuse_protected_effect(sandbox, task, before, f"{scorer}/policy.diff")
-    _restore_test_folders(sandbox, task)
+    _restore_protected(sandbox, task)
     if task.test_patch.strip():
-        _restore_test_files(sandbox, task)
         sandbox.write_file(f"{scorer}/test.diff", task.test_patch.encode())
         applied = _git_apply(sandbox, f"{scorer}/test.diff")
         if not applied.ok:
@@ -331,9 +334,7 @@ def _read_optional(sandbox: Sandbox, path: str) -> bytes:
 
 def _git_apply(sandbox: Sandbox, diff_path: str) -> ExecResult:
     # Strict: no --3way, no --reject, no fuzzy `patch` fallback (which follows symlinks).
-    check = sandbox.exec(["git", "apply", "--check", diff_path], timeout_s=120)
-    if not check.ok:
-        return check
+    # `git apply` checks every hunk before it writes anything: all or nothing.
     return sandbox.exec(["git", "apply", diff_path], timeout_s=120)
 
 
@@ -363,36 +364,53 @@ def _refuse_protected_effect(
     effect |= {path for path in before if path not in after}
     effect |= numstat_paths(_git_text(sandbox, ["apply", "--numstat", "-z", diff_path]))
     violations = protected_violations(task, effect)
+    violations += [
+        f"{path} (its pytest section)"
+        for path in section_protected(effect)
+        if _runner_sections_changed(sandbox, path)
+    ]
     if violations:
         raise _fail(f"the patch touches protected paths: {', '.join(violations)}")
 
 
-def _restore_test_folders(sandbox: Sandbox, task: Task) -> None:
-    """Put the task's test folders back as the base has them, whatever the patch did."""
-    folders = sorted(task_test_folders(task))
-    if not folders:
-        return
-    tracked = _git_text(sandbox, ["ls-files", "-z", "--", *folders]).split("\0")
-    if any(tracked):
-        done = sandbox.exec(["git", "checkout", "HEAD", "--", *folders], timeout_s=60)
-        if not done.ok:
-            raise _infra(f"could not restore the task's test folders: {done.describe()}")
-    done = sandbox.exec(["git", "clean", "-fdq", "--", *folders], timeout_s=60)
+def _runner_sections_changed(sandbox: Sandbox, path: str) -> bool:
+    """Whether the patch changed the pytest sections of a pyproject.toml or setup.cfg.
+
+    Both sides are read inside the sandbox (the patched file may be a symlink).
+    """
+    name = path.rsplit("/", 1)[-1]
+    base = sandbox.exec(["git", "show", f"HEAD:{path}"], timeout_s=60)
+    now = sandbox.exec(["cat", "--", path], timeout_s=60)
+
+    def text(run: ExecResult) -> str | None:
+        return run.stdout.decode("utf-8", "replace") if run.ok else None
+
+    return runner_sections(name, text(base)) != runner_sections(name, text(now))
+
+
+# Restores from HEAD what `$@` names (runner files first, then the task's test folders and
+# files), then cleans untracked files from the latter. Runner files are only restored, not
+# cleaned: an untracked one is the setup command's, as the patch's were refused before.
+_RESTORE_SCRIPT = """set -e
+runner=$1; shift
+git ls-files -z -- "$@" | xargs -0 -r git --literal-pathspecs checkout -q HEAD --
+shift "$runner"
+[ $# -eq 0 ] || git clean -fdq -- "$@"
+"""
+
+
+def _restore_protected(sandbox: Sandbox, task: Task) -> None:
+    """Put back, as the base has them, every test folder and test file of the task and every
+    file pytest or Python loads on its own, whatever the patch did; files the test patch
+    creates are removed (it creates them again). One sandboxed command for all of it."""
+    runner = runner_pathspecs()
+    tests = sorted(task_test_folders(task) | protected_test_files(task))
+    literal = [f":(literal){path}" for path in tests]
+    done = sandbox.exec(
+        ["sh", "-c", _RESTORE_SCRIPT, "sh", str(len(runner)), *runner, *literal], timeout_s=60
+    )
     if not done.ok:
-        raise _infra(f"could not clean the task's test folders: {done.describe()}")
-
-
-def _restore_test_files(sandbox: Sandbox, task: Task) -> None:
-    created = added_paths(task.test_patch)
-    existing = sorted(patch_paths(task.test_patch) - created)
-    if created:
-        done = sandbox.exec(["rm", "-rf", "--", *sorted(created)], timeout_s=60)
-        if not done.ok:
-            raise _infra(f"could not remove files the test patch creates: {done.describe()}")
-    if existing:
-        done = sandbox.exec(["git", "checkout", "HEAD", "--", *existing], timeout_s=60)
-        if not done.ok:
-            raise _infra(f"could not restore the task's test files: {done.describe()}")
+        raise _infra(f"could not restore the task's tests from the base: {done.describe()}", done)
 
 
 PYTEST_ARGS = (

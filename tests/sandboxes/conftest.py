@@ -12,6 +12,9 @@ import pytest
 from sandboxes.example import ExampleTask, make_example_task
 from sandboxes.settings import SandboxSettings
 
+# The vendored third-party projects are data for the scorer, not tests of ours.
+collect_ignore = ["projects"]
+
 
 def _children() -> set[int]:
     return {p.pid for p in psutil.Process().children(recursive=True)}

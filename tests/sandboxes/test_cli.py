@@ -62,6 +62,7 @@ def test_the_benchmark_runs_at_a_tiny_size_and_ends_with_its_json_line():
     figures = json.loads(done.stdout.strip().splitlines()[-1])
     assert figures["unexpected_rewards"] == 0
     assert figures["tasks_per_minute"] > 0 and figures["isolation_overhead_ratio"] > 0
+    assert figures["bare_pytest_cpu_s"] > 0 and figures["sandboxed_pytest_cpu_s"] > 0
 
 
 def test_score_shows_the_tail_of_the_test_output(example: ExampleTask, tmp_path: Path):

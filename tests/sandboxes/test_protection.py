@@ -9,6 +9,8 @@ from sandboxes.protection import (
     numstat_paths,
     patch_paths,
     protected_violations,
+    runner_sections,
+    section_protected,
     status_paths,
     task_test_folders,
 )
@@ -57,7 +59,7 @@ def test_protected_paths_include_test_files_runner_hooks_and_task_globs():
         "tests/test_a.py",
         "tests/test_new.py",
         "deep/conftest.py",
-        "pyproject.toml",
+        "sub/pytest.toml",
         "x.pth",
         "docs/a.md",
         ".git/config",
@@ -96,3 +98,34 @@ def test_test_folders_are_the_nearest_test_named_ancestors_of_the_task_tests():
     assert task_test_folders(task) == {"tests", "src/testing"}
     touched = {"tests/unit/__init__.py", "pkg/b.py", "tests/x.py", "src/testing/y.py"}
     assert protected_violations(task, touched) == sorted(touched - {"pkg/b.py"})
+
+
+def test_only_the_pytest_sections_of_pyproject_and_setup_cfg_count():
+    base = '[project]\nname = "p"\n\n[tool.pytest.ini_options]\naddopts = "-q"\n'
+    with_dependency = base.replace('name = "p"\n', 'name = "p"\ndependencies = ["x"]\n')
+    assert runner_sections("pyproject.toml", base) == runner_sections(
+        "pyproject.toml", with_dependency
+    )
+    for changed in (
+        base.replace('"-q"', '"-p plugin"'),
+        base + '\n[tool.pytest]\naddopts = ["-p", "plugin"]\n',
+        "not toml [",
+    ):
+        assert runner_sections("pyproject.toml", base) != runner_sections("pyproject.toml", changed)
+    assert runner_sections("pyproject.toml", None) is None
+    cfg = "[metadata]\nname = p\n\n[tool:pytest]\naddopts = -q\n"
+    assert runner_sections("setup.cfg", cfg) == runner_sections(
+        "setup.cfg", cfg.replace("name = p", "name = q")
+    )
+    assert runner_sections("setup.cfg", cfg) != runner_sections(
+        "setup.cfg", cfg.replace("-q", "-p plugin")
+    )
+
+
+def test_pyproject_and_setup_cfg_are_not_refused_by_name_alone():
+    task = Task(id="t", repo=Path("."), base_commit="abcd", fail_to_pass=["tests/t.py::t"])
+    assert protected_violations(task, {"pyproject.toml", "setup.cfg", "pkg/mod.py"}) == []
+    assert section_protected({"pyproject.toml", "sub/setup.cfg", "pkg/mod.py"}) == [
+        "pyproject.toml",
+        "sub/setup.cfg",
+    ]

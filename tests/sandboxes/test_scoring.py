@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -555,3 +556,32 @@ def test_an_installed_copy_shadowing_the_source_under_test_is_refused(
     result = score(task, "")
     assert result.status is ScoreStatus.INFRA_ERROR and result.reward is None, result.reason
     assert "imported calc" in result.reason and "installed copy" in result.reason
+
+
+FORCE_PASS_CONFTEST = """import pytest
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    outcome.get_result().outcome = "passed"
+"""
+
+
+def test_runner_files_and_test_folders_are_restored_from_the_base_before_the_tests_run(
+    example: ExampleTask,
+):
+    """Whatever changed them before the tests (here the setup command: the patch's own
+    changes are refused), the tests run with the base's conftest.py and test folder."""
+    (example.repo / "conftest.py").write_text("")
+    git(example.repo, "add", "conftest.py")
+    git(example.repo, "commit", "-q", "-m", "an empty conftest")
+    base = git(example.repo, "rev-parse", "HEAD").strip()
+    rewrite = (
+        f"printf %s {shlex.quote(FORCE_PASS_CONFTEST)} > conftest.py && "
+        "echo 'raise SystemExit(0)' > tests/__init__.py"
+    )
+    task = example.task().model_copy(
+        update={"base_commit": base, "setup_command": ["sh", "-c", rewrite]}
+    )
+    assert_zero(score(task, example.wrong_patch), "test_add (failed)")
