@@ -7,10 +7,10 @@ fresh base snapshot → upload → check the interpreter runs pytest → setup c
 protected path (`git status`, `git apply --numstat`: however its diff spells paths; only
 the pytest sections of `pyproject.toml`/`setup.cfg`) → restore from the base every runner
 file (conftest, pytest/tox configuration, start-up hooks, bytecode) and the task's test
-folders and test files, removing what is untracked in the latter → apply the test patch → run the tests through our launcher
-(`sandboxes.pytest_plugin`), its secrets given on stdin → parse the JUnit report, check its
-nonce, the runner's exit status and the launcher's signed records against each other,
-require every required test PASSED.
+folders and test files, removing what is untracked in the latter → apply the test patch
+→ run the tests through our launcher (`sandboxes.pytest_plugin`), its secrets given on
+stdin → parse the JUnit report, check its nonce, the runner's exit status and the
+launcher's signed records against each other, require every required test PASSED.
 
 Reward 1 only then. Policy outcomes (patch does not apply, protected path, failures,
 timeout, output cap, missing or forged report) give 0. Failures of the environment (no
