@@ -20,6 +20,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import Counter
 from typing import Any
 
 import orjson
@@ -95,6 +96,9 @@ class ChatSessions:
         self.records = SessionRecords(cp.sessions, cp.settings.session_cache)
         self.tokenizers = Tokenizers()
         self._busy: set[str] = set()
+        # Sessions this process placed whose rows are not written yet: creations at the
+        # same moment must see each other, or they would all pick the same engine.
+        self._pending: Counter[str] = Counter()
         self._swept_at = 0.0
 
     # ------------------------------------------------------------------ lifecycle
@@ -130,10 +134,17 @@ class ChatSessions:
             created_at=now,
             expires_at=now + ttl,
         )
-        placed = await asyncio.to_thread(self.records.placed, run.run_id, now)
-        engine = self._place(session, constraint, placed, set())
+        placed = Counter(await asyncio.to_thread(self.records.placed, run.run_id, now))
+        engine = self._place(session, constraint, dict(placed + self._pending), set())
         session.engine_id = engine.engine_id if engine is not None else None
-        await asyncio.to_thread(self.records.create, session)
+        if engine is not None:
+            self._pending[engine.engine_id] += 1
+        try:
+            await asyncio.to_thread(self.records.create, session)
+        finally:
+            if engine is not None:
+                self._pending[engine.engine_id] -= 1
+        self.cp.metrics.sessions_created.inc()
         await self._sweep_now_and_then(now)
         return session.info()
 
@@ -237,8 +248,10 @@ class ChatSessions:
             ) from exc
         prompt = previous + added
         sampling = self._sampling(body)
+        home = session.engine_id
         answer, engine, moved = await self._generate(session, prompt, sampling)
         completion, logprobs, start, end, finish = self._read(answer)
+        cached = (answer.get("meta_info") or {}).get("cached_tokens")
         text = tokenizer.decode(completion)
         reply, calls = reply_message(text, bool(tools))
         reason = "tool_calls" if calls else ("length" if finish == "length" else "stop")
@@ -259,6 +272,8 @@ class ChatSessions:
             created_at=time.time(),
         )
         await asyncio.to_thread(self.records.append, session, turn)
+        placement = "moved" if moved else ("placed" if home is None else "stayed")
+        self.cp.metrics.session_turns.labels(placement).inc()
         info = TurnInfo(
             session_id=session.session_id,
             turn=turn.turn,
@@ -269,6 +284,7 @@ class ChatSessions:
             prompt_tokens=len(prompt),
             new_prompt_tokens=len(added),
             completion_tokens=len(completion),
+            cached_tokens=cached if isinstance(cached, int) else None,
             moved=moved,
         )
         choice: dict[str, Any] = {"index": 0, "message": reply, "finish_reason": reason}

@@ -62,6 +62,18 @@ class Metrics:
             registry=self.registry,
         )
         self._converged: dict[str, int] = {}
+        self.sessions_created = Counter(
+            "tether_sessions_created_total",
+            "Agent sessions opened (POST /v1/sessions)",
+            registry=self.registry,
+        )
+        self.session_turns = Counter(
+            "tether_session_turns_total",
+            "Agent-session turns answered, by placement: on the session's engine (stayed), "
+            "on another one (moved), or the first engine it got (placed)",
+            ["placement"],
+            registry=self.registry,
+        )
 
     def watch_in_flight(self, counts: Mapping[str, int]) -> None:
         """Export `counts` (requests this process is forwarding, by engine), read at scrape

@@ -127,6 +127,8 @@ class TurnInfo(TetherModel):
     prompt_tokens: int
     new_prompt_tokens: int  # tokens of this turn's new messages (the rest is the record)
     completion_tokens: int
+    # Prompt tokens the engine found in its prefix cache (None: the engine did not say).
+    cached_tokens: int | None = None
     moved: bool  # this turn ran on another engine than the previous one
 
 

@@ -155,4 +155,5 @@ def fleet(
         yield fleet
     finally:
         extra = fleet.extra if fleet is not None else []
-        stop_all([*agents, *engines, *extra, process])
+        # Stopped agents linger after their clean shutdown; a short grace is plenty here.
+        stop_all([*agents, *engines, *extra, process], grace_s=3.0)
