@@ -51,3 +51,9 @@ from bench import chaos as _chaos_bench  # noqa: E402
 app.command(name="chaos", help="Fault scenarios under a pinned load: requests lost, recovery.")(
     _chaos_bench.run
 )
+
+from bench import fleet as _fleet_bench  # noqa: E402
+
+app.command(name="fleet", help="A swarm of real agents: convergence, store egress, heartbeats.")(
+    _fleet_bench.run
+)

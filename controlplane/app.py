@@ -508,6 +508,7 @@ def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:
             raise no_engine(
                 snap, run, constraint, precisions, settings.default_retry_after_s, "none_eligible"
             )
+        cp.metrics.version_lag.note_pick(snap, run, engine)
         return RouteAnswer(
             engine_id=engine.engine_id,
             url=engine.url,

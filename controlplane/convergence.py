@@ -1,12 +1,16 @@
 """How fast each published version spreads through the fleet, read from snapshot to snapshot.
 
-Owns the per-version convergence record (seconds from publication until 50 %, 90 % and
-100 % of a run's serving engines serve the version or a newer one), the transitions between
-two snapshots that matter to an operator (a lease that lapsed instead of a deregistration,
-an engine entering `error`), and the Prometheus series for both. It only compares
-snapshots the fleet already built: it never reads the database and adds nothing to the
-request or heartbeat paths. Each control-plane replica keeps its own record; a replica
-that starts after a version was published reports that version's times as upper bounds.
+Owns the per-version convergence record: seconds from publication until 50, 90, 99 and
+100 % of a run's serving capacity (engines weighted by their capacity) serves the version
+or a newer one, for the whole run and for each precision class; the bytes engines report
+having read to reach it, from the store and from peers (heartbeat `fetched`, summed per
+engine, the latest report of each engine counting once); the transitions between two
+snapshots that matter to an operator (a lease that lapsed instead of a deregistration, an
+engine entering `error`); and the Prometheus series for all of them. It compares snapshots
+the fleet already built and adds a dictionary update per heartbeat that carries a fetch
+report: it never reads the database. Each control-plane replica keeps its own record; a
+replica that starts after a version was published reports that version's times as upper
+bounds, and the byte counts of the heartbeats it received.
 """
 
 from __future__ import annotations
@@ -15,39 +19,90 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from controlplane.snapshot import EngineView, FleetSnapshot
-from wire import SyncState
+from wire import FetchReport, SyncState
 
-#: The fractions of serving engines whose crossing times are recorded.
-THRESHOLDS = (0.5, 0.9, 1.0)
+#: The fractions of serving capacity whose crossing times are recorded.
+THRESHOLDS = (0.5, 0.9, 0.99, 1.0)
 #: Versions remembered per run (the dashboard's timeline).
 VERSIONS_KEPT = 32
+#: Buckets of the crossing-time histogram (seconds).
+REACHED_BUCKETS = (1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800, 3600)
+
+
+def _key(threshold: float) -> str:
+    """`t50_s`, `t90_s`, `t99_s`, `t100_s`."""
+    return f"t{round(threshold * 100)}_s"
+
+
+@dataclass
+class Spread:
+    """How far one version got in one group of engines: crossing times and bytes read."""
+
+    # threshold → seconds after publication; absent until crossed.
+    reached: dict[float, float] = field(default_factory=dict)
+    serving_fraction: float = 0.0
+    capacity: int = 0
+    # engine id → (store bytes, peer bytes) of its catch-up to this version.
+    fetched: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    def advance(self, serving: list[EngineView], version: int, elapsed: float) -> list[float]:
+        """Update from the serving engines of the group; return the thresholds crossed now."""
+        self.capacity = sum(e.capacity for e in serving)
+        if not self.capacity:
+            self.serving_fraction = 0.0
+            return []
+        on = sum(e.capacity for e in serving if (e.applied_version or 0) >= version)
+        self.serving_fraction = on / self.capacity
+        crossed = []
+        for threshold in THRESHOLDS:
+            if threshold not in self.reached and self.serving_fraction >= threshold - 1e-12:
+                self.reached[threshold] = max(0.0, elapsed)
+                crossed.append(threshold)
+        return crossed
+
+    @property
+    def store_bytes(self) -> int:
+        return sum(s for s, _ in self.fetched.values())
+
+    @property
+    def peer_bytes(self) -> int:
+        return sum(p for _, p in self.fetched.values())
+
+    def times(self) -> dict[str, float | None]:
+        return {_key(t): self.reached.get(t) for t in THRESHOLDS}
 
 
 @dataclass
 class VersionSpread:
-    """One version of one run: when it was published and when it reached each threshold."""
+    """One version of one run: when it was published and how far it got, overall (the
+    fields below) and per precision class (`precisions`)."""
 
     version: int
     published_at: float
-    # threshold → seconds after publication; absent until crossed.
+    # threshold → seconds after publication, over all the run's serving capacity.
     reached: dict[float, float] = field(default_factory=dict)
     serving_fraction: float = 0.0
     # True when it had already crossed some thresholds when this process first saw it.
     upper_bound: bool = False
+    precisions: dict[str, Spread] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "version": self.version,
             "published_at": self.published_at,
             "serving_fraction": self.serving_fraction,
-            "t50_s": self.reached.get(0.5),
-            "t90_s": self.reached.get(0.9),
-            "t100_s": self.reached.get(1.0),
+            **{_key(t): self.reached.get(t) for t in THRESHOLDS},
             "upper_bound": self.upper_bound,
         }
+
+    @property
+    def converged(self) -> bool:
+        return len(self.reached) == len(THRESHOLDS) and all(
+            len(s.reached) == len(THRESHOLDS) for s in self.precisions.values()
+        )
 
 
 class Convergence:
@@ -57,6 +112,8 @@ class Convergence:
         self.timelines: dict[str, deque[VersionSpread]] = {}
         self._previous: dict[str, EngineView] = {}
         self._seen_any = False
+        # run → the (precision, source) label pairs of `latest_fetched` set so far.
+        self._exported: dict[str, set[tuple[str, str]]] = {}
         self.unconverged = Gauge(
             "tether_version_unconverged_seconds",
             "Seconds the run's latest version has been published without every serving "
@@ -76,6 +133,26 @@ class Convergence:
             ["run", "precision"],
             registry=registry,
         )
+        self.reached = Histogram(
+            "tether_version_reached_seconds",
+            "Seconds from a version's publication until `fraction` of the run's serving "
+            "capacity of a precision served it or a newer one",
+            ["run", "precision", "fraction"],
+            buckets=REACHED_BUCKETS,
+            registry=registry,
+        )
+        self.fetched_total = Counter(
+            "tether_version_fetched_bytes_total",
+            "Bytes engines reported reading to catch up, by source (store or peer)",
+            ["run", "precision", "source"],
+            registry=registry,
+        )
+        self.latest_fetched = Gauge(
+            "tether_latest_version_fetched_bytes",
+            "Bytes engines reported reading to reach the run's latest version, by source",
+            ["run", "precision", "source"],
+            registry=registry,
+        )
 
     def observe(self, snap: FleetSnapshot) -> None:
         self._transitions(snap)
@@ -89,11 +166,11 @@ class Convergence:
             if latest is not None and (not timeline or timeline[-1].version < latest):
                 published = run.latest_published_at or snap.built_at
                 timeline.append(VersionSpread(latest, published, upper_bound=not self._seen_any))
+                self._export_fetched(run.run_id, timeline[-1])
             serving = by_run.get(run.run_id, [])
             for spread in timeline:
-                if len(spread.reached) == len(THRESHOLDS):
-                    continue
-                self._advance(spread, serving, snap.built_at)
+                if not spread.converged:
+                    self._advance(run.run_id, spread, serving, snap.built_at)
             head = timeline[-1] if timeline else None
             self.unconverged.labels(run.run_id).set(
                 0.0
@@ -102,16 +179,63 @@ class Convergence:
             )
         self._seen_any = True
 
-    @staticmethod
-    def _advance(spread: VersionSpread, serving: list[EngineView], now: float) -> None:
-        if not serving:
-            spread.serving_fraction = 0.0
+    def _advance(
+        self, run_id: str, spread: VersionSpread, serving: list[EngineView], now: float
+    ) -> None:
+        elapsed = now - spread.published_at
+        overall = Spread(reached=spread.reached)
+        overall.advance(serving, spread.version, elapsed)
+        spread.serving_fraction = overall.serving_fraction
+        by_precision: dict[str, list[EngineView]] = {}
+        for e in serving:
+            by_precision.setdefault(e.precision.value, []).append(e)
+        for precision, members in by_precision.items():
+            group = spread.precisions.setdefault(precision, Spread())
+            for threshold in group.advance(members, spread.version, elapsed):
+                if not spread.upper_bound:
+                    self.reached.labels(run_id, precision, str(threshold)).observe(
+                        group.reached[threshold]
+                    )
+
+    def note_fetch(self, engine: EngineView, report: FetchReport) -> None:
+        """An engine's heartbeat says what its catch-up to `report.version` read."""
+        timeline = self.timelines.get(engine.run_id)
+        if timeline is None:
             return
-        on = sum(1 for e in serving if (e.applied_version or 0) >= spread.version)
-        spread.serving_fraction = on / len(serving)
-        for threshold in THRESHOLDS:
-            if threshold not in spread.reached and spread.serving_fraction >= threshold:
-                spread.reached[threshold] = max(0.0, now - spread.published_at)
+        spread = next((s for s in reversed(timeline) if s.version == report.version), None)
+        if spread is None:
+            return
+        group = spread.precisions.setdefault(engine.precision.value, Spread())
+        before = group.fetched.get(engine.engine_id, (0, 0))
+        now = (report.store_bytes, report.peer_bytes)
+        if now == before:
+            return
+        group.fetched[engine.engine_id] = now
+        for source, old, new in (("store", before[0], now[0]), ("peer", before[1], now[1])):
+            if new > old:
+                self.fetched_total.labels(engine.run_id, engine.precision.value, source).inc(
+                    new - old
+                )
+        if spread is timeline[-1]:
+            self._export_fetched(engine.run_id, spread)
+
+    def _export_fetched(self, run_id: str, spread: VersionSpread) -> None:
+        """The latest version's bytes by precision and source, as gauges (those of an
+        earlier version go back to 0 when a new one begins)."""
+        exported = self._exported.setdefault(run_id, set())
+        for precision, source in exported:
+            self.latest_fetched.labels(run_id, precision, source).set(0)
+        for precision, group in spread.precisions.items():
+            for source, value in (("store", group.store_bytes), ("peer", group.peer_bytes)):
+                self.latest_fetched.labels(run_id, precision, source).set(value)
+                exported.add((precision, source))
+
+    def spread(self, run_id: str, version: int) -> VersionSpread | None:
+        """The record of `version` of `run_id`, if this replica still keeps it."""
+        for spread in self.timelines.get(run_id, ()):
+            if spread.version == version:
+                return spread
+        return None
 
     def _transitions(self, snap: FleetSnapshot) -> None:
         now = snap.built_at

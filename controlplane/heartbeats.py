@@ -5,7 +5,8 @@ written wait together and go into the next transaction (one commit for hundreds 
 beats), and every waiter gets its own answer: the new lease expiry or `EngineUnknown`.
 At low load a batch is a single beat, so nothing waits for a timer. Also owns the reply
 (target version from the snapshot, the lease) and the "fleet changed" signal a heartbeat
-raises. Never routes and never decides targets.
+raises, and hands the fetch report a heartbeat carries to its observers. Never routes and
+never decides targets.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from controlplane.fleet import Fleet
 from controlplane.outage import DATABASE_ERRORS, Outage, is_database_down
 from controlplane.registry import Registry
 from controlplane.runs import Runs
-from wire import Heartbeat
+from controlplane.snapshot import EngineView
+from wire import FetchReport, Heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +99,8 @@ class Heartbeats:
         self.fleet = fleet
         self.outage = outage
         self.writer = GroupCommit(self._write)
+        # Told of every fetch report a heartbeat carries (the convergence record).
+        self.fetch_observers: list[Callable[[EngineView, FetchReport], None]] = []
 
     def _write(self, beats: Sequence[Beat]) -> list[float | None]:
         """Renew leases (after an outage, first the leases it would have let lapse)."""
@@ -127,6 +131,9 @@ class Heartbeats:
             or seen.staging_target != beat.staging_target
         ):
             self.fleet.mark_dirty()
+        if seen is not None and beat.fetched is not None:
+            for observer in self.fetch_observers:
+                observer(seen, beat.fetched)
         if seen is not None:
             target = snap.targets.get(engine_id)
         else:

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from controlplane.snapshot import FleetSnapshot
+from controlplane.version_lag import VersionLag
 
 
 class Metrics:
@@ -74,6 +75,9 @@ class Metrics:
             ["placement"],
             registry=self.registry,
         )
+        # Exported at scrape time; the router adds one count per routed request.
+        self.version_lag = VersionLag()
+        self.registry.register(self.version_lag)
 
     def watch_in_flight(self, counts: Mapping[str, int]) -> None:
         """Export `counts` (requests this process is forwarding, by engine), read at scrape

@@ -199,8 +199,9 @@ class Proxy:
         exclude: set[str],
     ) -> EngineView | None:
         start = time.perf_counter()
+        snap = self.fleet.snapshot
         engine = pick(
-            self.fleet.snapshot,
+            snap,
             run_id,
             constraint,
             precisions=fields.precisions(),
@@ -210,6 +211,8 @@ class Proxy:
             now=self.fleet.lease_clock(),
         )
         self.metrics.decision.observe(time.perf_counter() - start)
+        if engine is not None:
+            self.metrics.version_lag.note_pick(snap, run_id, engine)
         return engine
 
     async def handle(self, kind: str, raw: bytes, headers: Mapping[str, str]) -> Response:

@@ -74,15 +74,24 @@ class _Server(uvicorn.Server):
 class Agent:
     """The sidecar of one engine; build with settings, then `await run()`."""
 
-    def __init__(self, settings: AgentSettings, engine: Engine | None = None) -> None:
+    def __init__(
+        self,
+        settings: AgentSettings,
+        engine: Engine | None = None,
+        *,
+        store: Store | None = None,
+        control: ControlClient | None = None,
+    ) -> None:
+        """`engine`, `store` and `control` default to what `settings` name; passing them
+        lets many agents in one process share a store client (the fleet benchmark)."""
         self.settings = settings
         self.engine = engine or make_engine(settings)
-        self.store = Store(settings.store)
+        self.store = store or Store(settings.store)
         self.status = AgentStatus()
         self.gate = AdmissionGate(
             None, wait_s=settings.admission_wait_s, on_reject=lambda _c: self.reconciler.wake()
         )
-        self.control = (
+        self.control = control or (
             ControlClient(settings.control_planes, settings.token)
             if settings.control_planes
             else None
@@ -365,6 +374,10 @@ class Agent:
         self._beat.set()
 
     # ---- lifecycle -----------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Ask `run()` to deregister and return, as SIGTERM does."""
+        self._stop.set()
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()

@@ -39,13 +39,23 @@ class ControlClient:
     """Calls the control plane at `urls` (one or several replicas) with an engine-role
     bearer `token`."""
 
-    def __init__(self, urls: str | list[str], token: str | None, timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        urls: str | list[str],
+        token: str | None,
+        timeout_s: float = 10.0,
+        event_hooks: dict[str, list[Any]] | None = None,
+    ) -> None:
+        """`event_hooks` are httpx's (e.g. a benchmark timing each call)."""
         self.urls = [u.rstrip("/") for u in ([urls] if isinstance(urls, str) else urls)]
         if not self.urls:
             raise ValueError("ControlClient needs at least one control-plane URL")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._clients = [
-            httpx.AsyncClient(base_url=u, headers=headers, timeout=timeout_s) for u in self.urls
+            httpx.AsyncClient(
+                base_url=u, headers=headers, timeout=timeout_s, event_hooks=event_hooks
+            )
+            for u in self.urls
         ]
         self._current = 0
 

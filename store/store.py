@@ -150,6 +150,8 @@ class Store:
     `endpoint_url`, `key`, `secret`, `region_name`; the endpoint may also come from
     `TETHER_S3_ENDPOINT_URL` or `AWS_ENDPOINT_URL`). `cache_dir`: a local folder where
     `open_version` keeps verified copies of fetched files (None: no disk cache).
+    `objects`: an adapter already open on `url` to use instead of opening one (many agents
+    in one process sharing a client, each through its own wrapper).
     """
 
     def __init__(
@@ -158,8 +160,11 @@ class Store:
         *,
         storage_options: dict[str, Any] | None = None,
         cache_dir: str | Path | None = None,
+        objects: ObjectStore | None = None,
     ) -> None:
-        self.objects: ObjectStore = open_objects(url, storage_options)
+        self.objects: ObjectStore = (
+            objects if objects is not None else open_objects(url, storage_options)
+        )
         self.url = self.objects.url
         self.cache = FileCache(cache_dir) if cache_dir is not None else None
 

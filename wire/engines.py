@@ -93,6 +93,14 @@ class EngineRegistered(TetherModel):
     target_version: int | None
 
 
+class FetchReport(TetherModel):
+    """What the engine's last catch-up read to reach `version`, by source (bytes)."""
+
+    version: Version = Field(ge=0, le=MAX_INT)
+    store_bytes: StrictInt = Field(default=0, ge=0, le=MAX_INT)
+    peer_bytes: StrictInt = Field(default=0, ge=0, le=MAX_INT)
+
+
 class Heartbeat(TetherModel):
     applied_version: Version | None = Field(default=None, ge=0, le=MAX_INT)
     sync_state: SyncState
@@ -100,6 +108,8 @@ class Heartbeat(TetherModel):
     staging_progress: float = Field(default=0.0, ge=0.0, le=1.0)
     in_flight: StrictInt = Field(default=0, ge=0, le=MAX_INT)
     last_error: str | None = Field(default=None, max_length=4000)
+    # The bytes of the last catch-up (the control plane sums them per version).
+    fetched: FetchReport | None = None
 
 
 class HeartbeatReply(TetherModel):

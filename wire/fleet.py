@@ -2,7 +2,9 @@
 
 `GapReport` (`POST /v1/runs/{run_id}/gap`) carries one training step's sampler/trainer gap
 per precision class and the staleness of the rollouts it learned from; the fleet overview
-(`GET /v1/fleet/overview`, documented in docs/api.md) shows them. Names only, no logic.
+(`GET /v1/fleet/overview`, documented in docs/api.md) shows them. `VersionConvergence`
+(`GET /v1/runs/{run_id}/versions/{version}/convergence`) is how one version spread through
+the fleet. Names only, no logic.
 """
 
 from __future__ import annotations
@@ -41,3 +43,42 @@ class GapAccepted(TetherModel):
     run_id: str
     step: int
     reports: int
+
+
+class VersionLagFigures(TetherModel):
+    """Requests routed while the version was the run's latest: how many versions behind it
+    the engine that served each one was."""
+
+    requests: int
+    p50: int | None
+    p90: int | None
+    p99: int | None
+    max: int | None
+
+
+class SpreadFigures(TetherModel):
+    """How far one version got in one group of engines (a precision class, or all of them)."""
+
+    precision: str
+    capacity: int
+    serving_fraction: float
+    t50_s: float | None
+    t90_s: float | None
+    t99_s: float | None
+    t100_s: float | None
+    request_lag: VersionLagFigures
+    store_bytes: int
+    peer_bytes: int
+    engines_reported: int
+
+
+class VersionConvergence(TetherModel):
+    """One version of one run: seconds from publication until 50/90/99/100 % of the serving
+    capacity served it (or newer), per precision and for the whole run."""
+
+    run_id: str
+    version: int
+    published_at: float
+    upper_bound: bool
+    run: SpreadFigures
+    precisions: list[SpreadFigures]

@@ -41,6 +41,7 @@ ROUTES = [
     ("POST", "/v1/chat/completions", {"client", "trainer"}, {"messages": []}),
     ("GET", "/v1/route?run_id=auth", {"client", "trainer"}, None),
     ("GET", "/v1/fleet/overview", {"client", "trainer", "viewer"}, None),
+    ("GET", "/v1/runs/auth/versions/1/convergence", {"client", "trainer", "viewer"}, None),
     ("POST", "/v1/runs/auth/gap", {"trainer"}, {"step": 1}),
     ("POST", "/v1/sessions", {"client", "trainer"}, {"run_id": "auth"}),
     ("GET", "/v1/sessions/{session_id}", {"client", "trainer"}, None),
@@ -72,7 +73,8 @@ def test_every_route_refuses_a_missing_token_and_every_role_it_does_not_allow(
         for method in getattr(route, "methods", ())
         if route.path.startswith("/v1/")
     }
-    covered = {(m, p.split("?")[0].replace("/auth", "/{run_id}").replace(E, "{engine_id}"))
+    covered = {(m, p.split("?")[0].replace("/auth", "/{run_id}").replace(E, "{engine_id}")
+                .replace("/versions/1/", "/versions/{version}/"))
                for m, p, _, _ in ROUTES}  # fmt: skip
     assert app_paths == covered, "every /v1 route must be in the auth matrix"
 

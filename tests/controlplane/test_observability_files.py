@@ -15,6 +15,8 @@ from tests.controlplane.conftest import ROOT, Api
 
 FOLDER = ROOT / "deploy" / "observability"
 METRIC = re.compile(r"\b(tether_[a-z0-9_]+)\b")
+# Each rule file and its promtool unit tests.
+RULE_FILES = {"alerts.yml": "alerts.test.yml", "convergence-slo.yml": "convergence-slo.test.yml"}
 SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
 
 
@@ -36,8 +38,8 @@ def dashboard_exprs() -> list[str]:
 
 
 def rules() -> list[dict]:
-    doc = yaml.safe_load((FOLDER / "alerts.yml").read_text())
-    return [rule for group in doc["groups"] for rule in group["rules"]]
+    docs = [yaml.safe_load((FOLDER / name).read_text()) for name in RULE_FILES]
+    return [rule for doc in docs for group in doc["groups"] for rule in group["rules"]]
 
 
 def test_every_metric_the_dashboard_and_rules_name_is_exported(api: Api) -> None:
@@ -52,6 +54,8 @@ def test_every_metric_the_dashboard_and_rules_name_is_exported(api: Api) -> None
     alerts = {r["alert"] for r in rules()}
     assert {"TetherConvergenceSlow", "TetherLeaseLapses", "Tether409Storm",
             "TetherSamplerGapRising", "TetherEngineCommitFailures"} <= alerts  # fmt: skip
+    # The convergence SLO's (issue 13).
+    assert {"TetherConvergenceSLOMissed", "TetherRequestVersionLagHigh"} <= alerts
 
 
 def test_the_grafana_dashboard_is_importable_json() -> None:
@@ -66,8 +70,9 @@ def test_the_grafana_dashboard_is_importable_json() -> None:
             assert METRIC.search(target["expr"]), target
 
 
-def test_the_alert_rules_have_the_shape_prometheus_loads() -> None:
-    doc = yaml.safe_load((FOLDER / "alerts.yml").read_text())
+@pytest.mark.parametrize("rule_file", sorted(RULE_FILES))
+def test_the_alert_rules_have_the_shape_prometheus_loads(rule_file: str) -> None:
+    doc = yaml.safe_load((FOLDER / rule_file).read_text())
     assert set(doc) == {"groups"}
     for group in doc["groups"]:
         assert set(group) <= {"name", "interval", "rules", "limit"} and group["name"]
@@ -80,16 +85,17 @@ def test_the_alert_rules_have_the_shape_prometheus_loads() -> None:
                 assert re.fullmatch(r"\d+[smhd]", rule["for"])
 
 
-def test_promtool_accepts_the_rules_and_their_unit_tests_pass() -> None:
+@pytest.mark.parametrize("rule_file", sorted(RULE_FILES))
+def test_promtool_accepts_the_rules_and_their_unit_tests_pass(rule_file: str) -> None:
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.skip("promtool is not installed (apt-get install prometheus); shape checked above")
     check = subprocess.run(
-        [promtool, "check", "rules", str(FOLDER / "alerts.yml")], capture_output=True, text=True
+        [promtool, "check", "rules", str(FOLDER / rule_file)], capture_output=True, text=True
     )
     assert check.returncode == 0, check.stdout + check.stderr
     unit = subprocess.run(
-        [promtool, "test", "rules", "alerts.test.yml"],
+        [promtool, "test", "rules", RULE_FILES[rule_file]],
         capture_output=True,
         text=True,
         cwd=FOLDER,

@@ -1,0 +1,105 @@
+"""Bandwidth caps for the fleet benchmark: a modelled network link in the store read path.
+
+Owns `Link` (a first-come-first-served link of a fixed bandwidth: each transfer is queued
+behind the ones already on it and takes size / rate seconds) and `CappedObjects`, an
+`ObjectStore` adapter that reads through a shared inner store and then holds the calling
+thread until the bytes would have crossed both the agent's own link and the store's
+egress link. Every byte read is counted (`Egress`) so the benchmark can report store egress
+per version. It models time only: the bytes are the real ones from the real S3 server, and
+writes pass through uncapped (the benchmark's agents only read). Never used outside
+`bench/`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from store.objects.base import Cell, Listing, ObjectStore
+
+
+class Link:
+    """A link of `rate` bytes/s shared by every transfer that reserves it (FIFO)."""
+
+    def __init__(self, rate: float | None) -> None:
+        self.rate = rate
+        self._free_at = 0.0
+        self._lock = threading.Lock()
+
+    def reserve(self, size: int, now: float) -> float:
+        """Queue `size` bytes behind the transfers already on the link; return when the
+        last of them has crossed it (monotonic seconds), or `now` for an uncapped link."""
+        if self.rate is None or self.rate <= 0:
+            return now
+        with self._lock:
+            start = max(now, self._free_at)
+            self._free_at = start + size / self.rate
+            return self._free_at
+
+
+class Egress:
+    """Bytes read from the store, in total (thread-safe)."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.reads = 0
+        self._lock = threading.Lock()
+
+    def add(self, size: int) -> None:
+        with self._lock:
+            self.bytes += size
+            self.reads += 1
+
+
+class CappedObjects(ObjectStore):
+    """`inner`'s objects as one agent sees them over `link`, behind the store's `egress`."""
+
+    def __init__(self, inner: ObjectStore, link: Link, store_link: Link, egress: Egress) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.link = link
+        self.store_link = store_link
+        self.egress = egress
+
+    def _arrive(self, data: bytes) -> bytes:
+        now = time.monotonic()
+        done = max(self.store_link.reserve(len(data), now), self.link.reserve(len(data), now))
+        self.egress.add(len(data))
+        # The caller is a worker thread of the agent's fetch (`asyncio.to_thread`): holding
+        # it is how a slow link holds a real fetch.
+        if done > now:
+            time.sleep(done - now)
+        return data
+
+    def get(self, key: str) -> bytes:
+        return self._arrive(self.inner.get(key))
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        return self._arrive(self.inner.get_range(key, start, length))
+
+    def size(self, key: str) -> int | None:
+        return self.inner.size(key)
+
+    def put(self, key: str, data: bytes) -> None:
+        self.inner.put(key, data)
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        return self.inner.put_if_absent(key, data)
+
+    def list(self, prefix: str) -> Listing:
+        return self.inner.list(prefix)
+
+    def delete(self, key: str) -> bool:
+        return self.inner.delete(key)
+
+    def delete_prefix(self, prefix: str) -> int:
+        return self.inner.delete_prefix(prefix)
+
+    def read_cell(self, key: str) -> Cell:
+        cell = self.inner.read_cell(key)
+        if cell.data is not None:
+            self._arrive(cell.data)
+        return cell
+
+    def swap_cell(self, key: str, data: bytes, token: object) -> None:
+        self.inner.swap_cell(key, data, token)
