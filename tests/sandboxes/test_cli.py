@@ -63,6 +63,7 @@ def test_the_benchmark_runs_at_a_tiny_size_and_ends_with_its_json_line():
     assert figures["unexpected_rewards"] == 0
     assert figures["tasks_per_minute"] > 0 and figures["isolation_overhead_ratio"] > 0
     assert figures["bare_pytest_cpu_s"] > 0 and figures["sandboxed_pytest_cpu_s"] > 0
+    assert figures["sandbox_start_s"] > 0 and figures["idle_overhead_estimate"] > 1
 
 
 def test_score_shows_the_tail_of_the_test_output(example: ExampleTask, tmp_path: Path):
