@@ -6,10 +6,11 @@ the generation prompt), each later turn's added ids (what the template renders f
 messages after the conversation so far, plus the template's end-of-turn text the model did
 not sample), decoding, and the per-run cache of loaded tokenizers (`Tokenizers`). The
 tokenizer is read from the run's `base_checkpoint`, a Hugging Face folder: `tokenizer.json`
-(the `tokenizers` library) and the chat template from `chat_template.jinja` or
-`tokenizer_config.json`, rendered with Jinja2 in a sandbox the way Hugging Face renders it
-(trimmed blocks, loop controls, `tojson`, `raise_exception`, `strftime_now`, the special
-tokens as variables). No transformers and no torch: the control plane stays light.
+(the `tokenizers` library) and the chat template from `chat_template.jinja`,
+`tokenizer_config.json` or `chat_template.json`, rendered with Jinja2 in a sandbox the way
+Hugging Face renders it (trimmed blocks, loop controls, `tojson`, `raise_exception`,
+`strftime_now`, the special tokens as variables). No transformers and no torch: the
+control plane stays light.
 
 Must never re-tokenize text the engine produced or ids already recorded: the caller
 concatenates recorded ids with what this module returns.
@@ -56,6 +57,9 @@ def _template_source(folder: Path, config: Mapping[str, Any]) -> str | None:
     if jinja.is_file():
         return jinja.read_text()
     found = config.get("chat_template")
+    side = folder / "chat_template.json"  # some checkpoints keep it beside the config
+    if found is None and side.is_file():
+        found = json.loads(side.read_text()).get("chat_template")
     if isinstance(found, list):  # named templates: the default one
         named = {t.get("name"): t.get("template") for t in found if isinstance(t, dict)}
         found = named.get("default") or next(iter(named.values()), None)

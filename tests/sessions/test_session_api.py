@@ -96,8 +96,9 @@ def test_unknown_sessions_are_404_on_every_route(api: Api) -> None:
 
 
 def test_sessions_expire_after_their_ttl_and_are_swept(api: Api) -> None:
-    sid = _create(api, ttl_s=0.3).json()["session_id"]
-    assert api.call("GET", f"/v1/sessions/{sid}", "client").status_code == 200
+    info = _create(api, ttl_s=0.3).json()
+    sid = info["session_id"]
+    assert info["expires_at"] == pytest.approx(info["created_at"] + 0.3)
     wait_until(
         lambda: api.call("GET", f"/v1/sessions/{sid}", "client").status_code == 410,
         10.0,
@@ -230,3 +231,36 @@ def test_a_reply_with_hermes_tool_call_blocks_becomes_openai_tool_calls() -> Non
     assert call["function"]["arguments"] == '{"a": 1, "b": 2}'
     plain, calls = reply_message(text, tools_offered=False)
     assert not calls and plain == {"role": "assistant", "content": text}
+
+
+def test_turns_on_sqlite_keep_exact_ids_and_outlive_the_app(
+    make_api: Any,  # noqa: F811
+    sqlite_url: str,  # noqa: F811
+    tiny: TinyCheckpoints,
+    bf16_engine: Any,
+) -> None:
+    # The bare reference engine stands in for an agent (it ignores the routing fields).
+    first: Api = make_api(sqlite_url)
+    first.create_run(RUN, base_checkpoint=str(tiny.bf16))
+    first.publish(RUN, 0)
+    engine_id = first.register(RUN, 0, url=bf16_engine.url)
+    first.settle()
+    sid = _create(first).json()["session_id"]
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "what is 2 plus 5"}]
+    for turn in range(2):
+        body = {"messages": messages, "max_tokens": 5, "seed": turn}
+        reply = first.call("POST", f"/v1/sessions/{sid}/chat/completions", "client", json=body)
+        assert reply.status_code == 200, reply.text
+        answer = reply.json()
+        assert answer["tether"]["engine_id"] == engine_id
+        messages += [answer["choices"][0]["message"], {"role": "user", "content": "ok"}]
+    before = first.call("GET", f"/v1/sessions/{sid}/trajectory", "client").json()
+    one, two = before["turns"]
+    assert two["prompt_ids"][: len(one["prompt_ids"]) + len(one["completion_ids"])] == (
+        one["prompt_ids"] + one["completion_ids"]
+    )
+    # Another process on the same database file reads the same record.
+    second: Api = make_api(sqlite_url)
+    after = second.call("GET", f"/v1/sessions/{sid}/trajectory", "admin")
+    assert after.status_code == 200
+    assert after.json()["turns"] == before["turns"]
