@@ -167,7 +167,19 @@ class Runs:
     def record_version(
         self, run_id: str, version: int, kind: VersionKind | None, pointer_version: int
     ) -> VersionInfo:
-        """Record `version` (and the pointer's, if newer) and advance the run's latest."""
+        """Record `version` (and the pointer's, if newer) and advance the run's latest.
+
+        The trainer's notification and the store sync (or another replica) may record the
+        same version at the same moment: the one whose insert loses the race finds the row
+        on its second try, so both answer with it."""
+        try:
+            return self._record_version(run_id, version, kind, pointer_version)
+        except IntegrityError:
+            return self._record_version(run_id, version, kind, pointer_version)
+
+    def _record_version(
+        self, run_id: str, version: int, kind: VersionKind | None, pointer_version: int
+    ) -> VersionInfo:
         now = time.time()
         with self._sessions.begin() as db:
             for v, k in {pointer_version: None, version: kind}.items():

@@ -8,12 +8,13 @@ Real `tether controlplane serve` processes on SQLite and a folder store.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 
 from launcher.processes import ManagedProcess, wait_until
-from tests.controlplane.conftest import ADMIN, publish, start_controlplane
+from tests.controlplane.conftest import ADMIN, Api, publish, start_controlplane
 
 HEADERS = {"Authorization": f"Bearer {ADMIN}"}
 DEADLINE_S = 30.0
@@ -118,3 +119,40 @@ def test_publisher_close_delivers_a_queued_notification_once_the_control_plane_i
     assert not closing.is_alive()
     assert publisher.notifier.pending == []
     assert latest(second, "queued") == 1
+
+
+def test_a_version_recorded_by_the_sync_and_the_notification_at_once_is_recorded_once(
+    make_api: Callable[..., Api], db_url: str
+) -> None:
+    # The store sync and the trainer's notification (or two replicas) insert the same
+    # version row at the same moment: the loser of the race must answer, not fail.
+    api = make_api(db_url)
+    api.create_run("race")
+    runs = api.client.app.state.cp.runs
+    callers = 6
+    for version in range(1, 6):
+        publish(api.store_root, "race", version)
+        start = threading.Barrier(callers)
+        answers: list[int] = []
+        failures: list[BaseException] = []
+
+        def record(
+            version: int = version,
+            start: threading.Barrier = start,
+            answers: list[int] = answers,
+            failures: list[BaseException] = failures,
+        ) -> None:
+            start.wait()
+            try:
+                answers.append(runs.record_version("race", version, None, version).version)
+            except BaseException as exc:  # collected: the assertion below names it
+                failures.append(exc)
+
+        threads = [threading.Thread(target=record) for _ in range(callers)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert not failures, failures
+        assert answers == [version] * callers
+    assert [v.version for v in runs.versions("race")] == [1, 2, 3, 4, 5]
