@@ -34,6 +34,7 @@ import secrets
 import shutil
 import tempfile
 import time
+from collections import Counter as Tally
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -235,6 +236,7 @@ class Probes:
         self.heartbeat_s: list[float] = []
         # version → wall times at which a target long-poll handed an agent that version.
         self.woken: dict[int, list[float]] = {}
+        self.loop_lag_s: list[float] = []
         self.recording = False
 
     def hooks(self) -> dict[str, list[Any]]:
@@ -362,6 +364,14 @@ class Swarm:
         await asyncio.gather(*self.tasks, return_exceptions=True)
 
 
+async def _loop_lag(out: list[float], period_s: float = 0.1) -> None:
+    """Record how much later than asked each `period_s` sleep of this loop ends."""
+    while True:
+        asked = time.perf_counter()
+        await asyncio.sleep(period_s)
+        out.append(max(0.0, time.perf_counter() - asked - period_s))
+
+
 def fraction_time(times: list[float], total: int, fraction: float) -> float | None:
     """Seconds until `fraction` of `total` engines got there (None if they never did)."""
     needed = max(1, math.ceil(fraction * total - 1e-9))
@@ -403,6 +413,7 @@ async def _measure(config: FleetConfig, work: Path, say: Callable[[str], None]) 
         say(f"{config.engines} agents up and on v{v1} in {time.perf_counter() - started:.1f}s")
         rows = []
         swarm.probes.recording = True
+        lag_probe = asyncio.create_task(_loop_lag(swarm.probes.loop_lag_s), name="loop lag")
         cpu0, wall0, own0 = stack.controlplane_cpu_s(), time.perf_counter(), time.process_time()
         for _ in range(config.versions):
             egress0 = swarm.egress.bytes
@@ -432,6 +443,7 @@ async def _measure(config: FleetConfig, work: Path, say: Callable[[str], None]) 
         cp_cpu = stack.controlplane_cpu_s() - cpu0
         own_cpu = time.process_time() - own0
         swarm.probes.recording = False
+        lag_probe.cancel()
         wakes = [t - trainer.published_at[r["version"]] for r in rows
                  for t in swarm.probes.woken.get(r["version"], [])]  # fmt: skip
         beats = swarm.probes.heartbeat_s
@@ -466,6 +478,13 @@ async def _measure(config: FleetConfig, work: Path, say: Callable[[str], None]) 
             "wake_p99_ms": _ms(percentile(wakes, 0.99)),
             "controlplane_cpu_cores": round(cp_cpu / wall, 3),
             "swarm_cpu_cores": round(own_cpu / wall, 3),
+            # How late the swarm's own event loop wakes (a 100 ms sleep's overshoot): the
+            # part of every latency above that is this process's, not the control plane's.
+            "swarm_loop_lag_p50_ms": _ms(percentile(swarm.probes.loop_lag_s, 0.5)),
+            "swarm_loop_lag_p99_ms": _ms(percentile(swarm.probes.loop_lag_s, 0.99)),
+            # Reconcile passes that failed and were retried (timeouts on a starved machine),
+            # by error type: each re-reads its versions from the store.
+            "failed_passes": dict(sum((Tally(a.status.failures) for a in swarm.agents), Tally())),
             "per_version": rows,
         }
     finally:
