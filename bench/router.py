@@ -29,11 +29,11 @@ from typing import Any
 
 import typer
 
-from launcher.processes import TETHER, ProcessFailed, ProcessGroup, free_port
+from launcher.processes import TETHER, ManagedProcess, ProcessFailed, ProcessGroup, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 ADMIN = "tth_bench-admin-token-not-secret"
-START_DEADLINE_S = 60.0
+START_DEADLINE_S = 120.0
 # Heartbeat runs measure latency; a lease lapsing under a loaded machine would end them.
 LONG_LEASE = {"TETHER_LEASE_SECONDS": "120"}
 
@@ -49,19 +49,33 @@ def _start_controlplane(
     store: Path,
     workers: int = 1,
     env: Mapping[str, str] | None = None,
-) -> str:
+) -> ManagedProcess:
     port = free_port()
     argv = [TETHER, "controlplane", "serve", "--db", db_url, "--store", str(store),
             "--port", str(port), "--log-level", "warning", "--workers", str(workers)]  # fmt: skip
     url = f"http://127.0.0.1:{port}"
-    procs.start(
+    return procs.start(
         f"controlplane-{port}",
         argv,
         env={"TETHER_ADMIN_TOKEN": ADMIN, **(env or {})},
         url=url,
         cwd=ROOT,
     ).wait_http("/readyz", START_DEADLINE_S)
-    return url
+
+
+def _cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) of a process and all its descendants so far."""
+    import psutil
+
+    total = 0.0
+    root = psutil.Process(pid)
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            times = proc.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
 
 
 def _publish(store: Path, cp: str, run_id: str, version: int) -> None:
@@ -143,10 +157,19 @@ GENERATE_BODY = json.dumps(
 
 class Target:
     """One way to reach the stand-ins: base URLs (connections spread over them), the
-    generate path and the request headers."""
+    generate path, the request headers, and the router's process (None: no router), whose
+    CPU time (with its children's) is counted while its throughput is measured."""
 
-    def __init__(self, name: str, bases: list[str], path: str, headers: dict[str, str]) -> None:
+    def __init__(
+        self,
+        name: str,
+        bases: list[str],
+        path: str,
+        headers: dict[str, str],
+        pid: int | None = None,
+    ) -> None:
         self.name, self.bases, self.path, self.headers = name, bases, path, headers
+        self.pid = pid
 
     async def connect(self, i: int = 0) -> RawConnection:
         return await RawConnection.open(self.bases[i % len(self.bases)], self.headers)
@@ -184,8 +207,9 @@ async def _latencies(paths: list[Target], samples: int) -> dict[str, list[float]
     return out
 
 
-async def _throughput(path: Target, requests: int, concurrency: int) -> float:
-    """Requests per second with `concurrency` keep-alive connections kept busy."""
+async def _throughput(path: Target, requests: int, concurrency: int) -> tuple[float, float]:
+    """Wall seconds and router CPU seconds (0 without a router) for `requests` requests
+    with `concurrency` keep-alive connections kept busy."""
     import asyncio
 
     conns = [await path.connect(i) for i in range(concurrency)]
@@ -196,12 +220,14 @@ async def _throughput(path: Target, requests: int, concurrency: int) -> float:
         for _ in counter:
             await _call(conn, path)
 
+    cpu_before = _cpu_seconds(path.pid) if path.pid else 0.0
     begin = time.perf_counter()
     await asyncio.gather(*(worker(c) for c in conns))
     elapsed = time.perf_counter() - begin
+    cpu = _cpu_seconds(path.pid) - cpu_before if path.pid else 0.0
     for conn in conns:
         conn.close()
-    return requests / elapsed
+    return elapsed, cpu
 
 
 async def _compare(
@@ -210,12 +236,16 @@ async def _compare(
     """Latency at concurrency 1 (interleaved), then throughput, alternating paths."""
     lat = await _latencies(paths, samples)
     done = {p.name: 0.0 for p in paths}
+    cpu = {p.name: 0.0 for p in paths}
     for _ in range(rounds):
         for p in paths:
-            done[p.name] += requests / await _throughput(p, requests, concurrency)
+            wall, used = await _throughput(p, requests, concurrency)
+            done[p.name] += wall
+            cpu[p.name] += used
     return {
         p.name: {
             "rps": rounds * requests / done[p.name],
+            "cpu_us": cpu[p.name] / (rounds * requests) * 1e6,
             "p50_ms": statistics.median(lat[p.name]) * 1e3,
             "p99_ms": _percentile(lat[p.name], 0.99) * 1e3,
         }
@@ -223,8 +253,10 @@ async def _compare(
     }
 
 
-def _start_rust_router(procs: ProcessGroup, engines: list[str]) -> tuple[str | None, str | None]:
-    """Start SGLang's Rust router; return (url, None) or (None, why not)."""
+def _start_rust_router(
+    procs: ProcessGroup, engines: list[str]
+) -> tuple[ManagedProcess | None, str | None]:
+    """Start SGLang's Rust router; return (its process, None) or (None, why not)."""
     try:
         import sglang_router  # noqa: F401
     except ImportError as exc:
@@ -235,10 +267,10 @@ def _start_rust_router(procs: ProcessGroup, engines: list[str]) -> tuple[str | N
             "--log-level", "warn"]  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-        procs.start("sglang-router", argv, url=url, cwd=ROOT).wait_http("/readiness", 60)
+        router = procs.start("sglang-router", argv, url=url, cwd=ROOT).wait_http("/readiness", 60)
     except ProcessFailed as exc:
         return None, f"sglang-router did not start: {exc}"
-    return url, None
+    return router, None
 
 
 def _decision_time(engines: int) -> float:
@@ -345,17 +377,53 @@ def _heartbeats(cp: str, engines: int, seconds: float, connections: int = 50) ->
     return asyncio.run(main())
 
 
+def _tether_name(workers: int) -> str:
+    return "tether" if workers == 1 else f"tether-{workers}w"
+
+
+# The control plane as it was before its own hot-lane exchange: every hot request through
+# an ASGI cycle (the same answers), measured beside the current one.
+ASGI_ENTRY = "tether-asgi"
+
+
+def _own_postgres() -> tuple[str | None, Any, str | None]:
+    """A PostgreSQL server of the machine's binaries for the heartbeat figure: (its URL,
+    a function that removes it, None) or (None, None, why not)."""
+    from launcher.postgres import PostgresServer, find_pg_bin
+
+    if find_pg_bin() is None:
+        return None, None, "PostgreSQL binaries (initdb, pg_ctl) are not installed"
+    server = PostgresServer.create()
+    try:
+        server.start()
+    except Exception:
+        server.remove()
+        raise
+    return server.url(), server.remove, None
+
+
 def run(
     samples: int = typer.Option(2000, help="sequential requests per path for added latency"),
     requests: int = typer.Option(2000, help="requests per path and round for throughput"),
     concurrency: int = typer.Option(16, help="requests in flight at once"),
     engines: int = typer.Option(2, help="engine stand-ins behind the routers"),
-    workers: int = typer.Option(1, help="control-plane processes behind Tether's port"),
+    workers: list[int] = typer.Option(
+        [1],
+        help="control-plane processes behind Tether's port; repeat to measure several "
+        "configurations side by side (the last one is compared to the Rust router)",
+    ),
+    asgi_entry: bool = typer.Option(
+        True, help=f"also measure the hot lane through ASGI ('{ASGI_ENTRY}', 1 process)"
+    ),
     fleet: int = typer.Option(1000, help="engines for the decision and heartbeat figures"),
     heartbeat_seconds: float = typer.Option(
         10, help="seconds of 1 Hz heartbeats to measure (0: skip the heartbeat figures)"
     ),
-    pg_url: str = typer.Option(None, help="PostgreSQL URL for the heartbeat figure (optional)"),
+    pg_url: str = typer.Option(
+        None,
+        help="PostgreSQL server for the heartbeat figure (default: start one from the "
+        "machine's initdb/pg_ctl for the run)",
+    ),
 ) -> None:
     """Tether's router vs direct vs SGLang's Rust router; decisions and heartbeats at scale."""
     import asyncio
@@ -367,10 +435,23 @@ def run(
     work = Path(tempfile.mkdtemp(prefix="tether-bench-router-"))
     procs = ProcessGroup(work)
     figures: dict[str, Any] = {}
+    configs = list(dict.fromkeys(workers))  # each configuration once, in the order given
+    if not configs or min(configs) < 1:
+        raise typer.BadParameter("each --workers must be 1 or more", param_hint="--workers")
+    remove_postgres = None
     try:
         store = work / "store"
         store.mkdir()
-        cp = _start_controlplane(procs, f"sqlite:///{work / 'cp.db'}", store, workers)
+        # Every Tether configuration reads the same database (the stand-ins register and
+        # heartbeat with the first); each builds its own fleet snapshot from it.
+        db_url = f"sqlite:///{work / 'cp.db'}"
+        planes = {_tether_name(n): _start_controlplane(procs, db_url, store, n) for n in configs}
+        if asgi_entry:
+            planes[ASGI_ENTRY] = _start_controlplane(
+                procs, db_url, store, 1, {"TETHER_HOT_EXCHANGE": "0"}
+            )
+        cp = planes[_tether_name(configs[0])].url
+        assert cp is not None
         _publish(store, cp, "bench", 1)
         import httpx
 
@@ -393,86 +474,124 @@ def run(
             time.sleep(0.1)
         time.sleep(1.0)  # let every process's snapshot see the fleet
 
-        rust_url, why = _start_rust_router(procs, urls)
+        rust, why = _start_rust_router(procs, urls)
         if why:
             console.print(f"[yellow]SGLang Rust router skipped:[/yellow] {why}")
-        targets = [
-            Target("direct", urls, "/generate", {}),
-            Target("tether", [cp], "/v1/generate", headers),
-        ]
-        if rust_url:
-            targets.append(Target("sglang-router", [rust_url], "/generate", {}))
+        targets = [Target("direct", urls, "/generate", {})]
+        for name, plane in planes.items():
+            assert plane.url is not None
+            targets.append(Target(name, [plane.url], "/v1/generate", headers, plane.process.pid))
+        if rust is not None:
+            assert rust.url is not None
+            targets.append(Target("sglang-router", [rust.url], "/generate", {}, rust.process.pid))
         console.print(
             f"[bold]router[/bold]: {samples} sequential requests per path, interleaved; "
             f"then {requests} requests x {len(targets)} paths x 2 rounds, {concurrency} in flight"
         )
         found = asyncio.run(_compare(targets, samples, requests, concurrency))
-        direct, tether, rust = found["direct"], found["tether"], found.get("sglang-router")
+        direct, rust_found = found["direct"], found.get("sglang-router")
+        tether = found[_tether_name(configs[-1])]
 
         table = Table(
-            "path", "req/s", "p50 ms (1 in flight)", "p99 ms", "p50 added ms", "p99 added ms"
-        )
-        for name, r in (("direct", direct), ("tether", tether), ("sglang-router", rust)):
-            if r is None:
-                table.add_row(name, "n/a", "n/a", "n/a", "n/a", "n/a")
-                continue
+            "path", "req/s", "router CPU µs/req", "p50 ms (1 in flight)", "p99 ms",
+            "p50 added ms", "p99 added ms",
+        )  # fmt: skip
+        for t in targets:
+            r = found[t.name]
             table.add_row(
-                name,
+                t.name,
                 f"{r['rps']:.0f}",
+                f"{r['cpu_us']:.0f}" if t.pid else "-",
                 f"{r['p50_ms']:.3f}",
                 f"{r['p99_ms']:.3f}",
                 f"{r['p50_ms'] - direct['p50_ms']:.3f}",
                 f"{r['p99_ms'] - direct['p99_ms']:.3f}",
             )
+        if rust_found is None:
+            table.add_row("sglang-router", "n/a", "n/a", "n/a", "n/a", "n/a", "n/a")
         console.print(table)
         figures.update(
             router_rps=round(tether["rps"], 1),
             direct_rps=round(direct["rps"], 1),
-            rust_rps=round(rust["rps"], 1) if rust else None,
+            rust_rps=round(rust_found["rps"], 1) if rust_found else None,
+            router_cpu_us_per_request=round(tether["cpu_us"], 1),
+            rust_cpu_us_per_request=round(rust_found["cpu_us"], 1) if rust_found else None,
+            router_rps_by_workers={
+                str(n): round(found[_tether_name(n)]["rps"], 1) for n in configs
+            },
+            router_cpu_us_by_workers={
+                str(n): round(found[_tether_name(n)]["cpu_us"], 1) for n in configs
+            },
+            asgi_entry_rps=round(found[ASGI_ENTRY]["rps"], 1) if asgi_entry else None,
+            asgi_entry_cpu_us_per_request=(
+                round(found[ASGI_ENTRY]["cpu_us"], 1) if asgi_entry else None
+            ),
+            asgi_entry_rps_over_rust=(
+                round(found[ASGI_ENTRY]["rps"] / rust_found["rps"], 3)
+                if asgi_entry and rust_found
+                else None
+            ),
             direct_p50_ms=round(direct["p50_ms"], 3),
             router_p50_added_ms=round(tether["p50_ms"] - direct["p50_ms"], 3),
             router_p99_added_ms=round(tether["p99_ms"] - direct["p99_ms"], 3),
-            rust_p50_added_ms=round(rust["p50_ms"] - direct["p50_ms"], 3) if rust else None,
-            rust_p99_added_ms=round(rust["p99_ms"] - direct["p99_ms"], 3) if rust else None,
-            router_rps_over_rust=round(tether["rps"] / rust["rps"], 3) if rust else None,
+            rust_p50_added_ms=(
+                round(rust_found["p50_ms"] - direct["p50_ms"], 3) if rust_found else None
+            ),
+            rust_p99_added_ms=(
+                round(rust_found["p99_ms"] - direct["p99_ms"], 3) if rust_found else None
+            ),
+            router_rps_over_rust=(
+                round(tether["rps"] / rust_found["rps"], 3) if rust_found else None
+            ),
             rust_skipped_reason=why,
         )
-        if rust:
+        if rust_found:
             console.print(
-                f"Tether / Rust router throughput: {figures['router_rps_over_rust']:.2f}x"
+                f"Tether ({_tether_name(configs[-1])}) / Rust router throughput: "
+                f"{figures['router_rps_over_rust']:.2f}x"
             )
 
         figures["route_decision_us_1000"] = round(_decision_time(fleet), 2)
         console.print(f"routing decision, {fleet} engines: {figures['route_decision_us_1000']} us")
 
         figures["heartbeat_p99_ms_sqlite"] = figures["heartbeat_p99_ms_postgres"] = None
+        figures["postgres_skipped_reason"] = None
         if heartbeat_seconds > 0:
             hb_cp = _start_controlplane(procs, f"sqlite:///{work / 'hb.db'}", store, env=LONG_LEASE)
+            assert hb_cp.url is not None
             figures["heartbeat_p99_ms_sqlite"] = round(
-                _heartbeats(hb_cp, fleet, heartbeat_seconds), 2
+                _heartbeats(hb_cp.url, fleet, heartbeat_seconds), 2
             )
             console.print(
                 f"heartbeat p99, {fleet} engines at 1 Hz, SQLite: "
                 f"{figures['heartbeat_p99_ms_sqlite']} ms"
             )
+            if not pg_url:
+                pg_url, remove_postgres, figures["postgres_skipped_reason"] = _own_postgres()
         if pg_url and heartbeat_seconds > 0:
             fresh_url, drop_database = _fresh_pg_database(pg_url)
             try:
                 pg_cp = _start_controlplane(procs, fresh_url, store, env=LONG_LEASE)
+                assert pg_cp.url is not None
                 figures["heartbeat_p99_ms_postgres"] = round(
-                    _heartbeats(pg_cp, fleet, heartbeat_seconds), 2
+                    _heartbeats(pg_cp.url, fleet, heartbeat_seconds), 2
                 )
             finally:
                 procs.stop_all()
                 drop_database()
             console.print(f"heartbeat p99, PostgreSQL: {figures['heartbeat_p99_ms_postgres']} ms")
-        else:
-            console.print("[yellow]PostgreSQL heartbeat figure skipped:[/yellow] pass --pg-url")
+        elif heartbeat_seconds > 0:
+            console.print(
+                "[yellow]PostgreSQL heartbeat figure skipped:[/yellow] "
+                f"{figures['postgres_skipped_reason']}"
+            )
     finally:
         procs.stop_all()
+        if remove_postgres is not None:
+            remove_postgres()
         shutil.rmtree(work, ignore_errors=True)
     figures.update(
-        workers=workers,
+        workers=configs[-1],
         samples=samples,
         requests=requests,
         concurrency=concurrency,

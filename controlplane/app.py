@@ -41,7 +41,7 @@ from controlplane.errors import (
     RunUnknown,
     install_handlers,
 )
-from controlplane.hotpath import ControlPlaneApp, HotPath
+from controlplane.hotpath import ControlPlaneApp, HotLane, HotPath
 from controlplane.middleware import BodyLimit, RequestMetrics
 from controlplane.outage import install_outage_handlers
 from controlplane.pointer import confirm_published
@@ -234,7 +234,11 @@ def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:
     app.add_middleware(BodyLimit, **limits)
     app.add_middleware(RequestMetrics, metrics=cp.metrics)
     hot_path = HotPath(cp)
-    app.install_hot_lane(hot_path, RequestMetrics(BodyLimit(hot_path, **limits), cp.metrics))
+    hot_limits = BodyLimit(hot_path, **limits)
+    hot_metrics = RequestMetrics(hot_limits, cp.metrics)
+    app.install_hot_lane(
+        HotLane(hot_path, hot_metrics, hot_limits, hot_metrics, settings.hot_exchange)
+    )
 
     dashboard.install(app, cp, role)
     app.state.chat_sessions = session_routes.install(app, cp, role)

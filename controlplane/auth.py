@@ -13,6 +13,7 @@ import hashlib
 import logging
 import secrets
 import time
+from functools import partial
 
 from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
@@ -96,6 +97,10 @@ class TokenChecker:
         self._outage = outage
         # digest → (role, fresh until, learned at); monotonic seconds.
         self._cache: dict[str, tuple[Role | None, float, float]] = {}
+        # digest → the one database lookup in progress for it. When an entry expires under
+        # load, every request in flight with that token misses at once; they share one
+        # lookup instead of each taking a worker thread and a database round trip.
+        self._pending: dict[str, asyncio.Future[Role | None]] = {}
 
     @staticmethod
     def digest(authorization: str | None) -> str:
@@ -122,14 +127,28 @@ class TokenChecker:
         in a worker thread (at most once per token every `cache_s` seconds)."""
         digest = self.digest(authorization)
         hit, found = self.cached(digest)
-        if not hit:
-            try:
-                found = await asyncio.to_thread(self.lookup, digest)
-            except DATABASE_ERRORS as exc:
-                if not is_database_down(exc):
-                    raise
-                return self._last_known(digest, self._outage.failed(exc, "token check"))
-        return found
+        if hit:
+            return found
+        pending = self._pending.get(digest)
+        if pending is None:
+            pending = asyncio.ensure_future(self._fetch(digest))
+            self._pending[digest] = pending
+            pending.add_done_callback(partial(self._settled, digest))
+        # Shielded: a caller that goes away does not cancel the lookup the others await.
+        return await asyncio.shield(pending)
+
+    async def _fetch(self, digest: str) -> Role | None:
+        try:
+            return await asyncio.to_thread(self.lookup, digest)
+        except DATABASE_ERRORS as exc:
+            if not is_database_down(exc):
+                raise
+            return self._last_known(digest, self._outage.failed(exc, "token check"))
+
+    def _settled(self, digest: str, done: asyncio.Future[Role | None]) -> None:
+        self._pending.pop(digest, None)
+        if not done.cancelled():
+            done.exception()  # retrieved here, so an error nobody awaited any more is not logged
 
     def _last_known(self, digest: str, unavailable: ApiError) -> Role:
         """While the database is away: the token's last known role, if learned within the

@@ -1,19 +1,21 @@
 """The hot routes answered without FastAPI's per-request machinery.
 
 Owns the fast lane for the router's three generate routes and the engine heartbeat: they
-are matched by method and path before FastAPI sees the request (`ControlPlaneApp`) and
-served straight from ASGI under the same body limit and request metrics, with the same
-roles, validation, error shape and metrics labels as the FastAPI routes of the same paths,
-which stay declared for OpenAPI and /docs and call the same code (`Proxy.handle`,
-`Heartbeats.answer`). Everything else goes to FastAPI. Never does database work on the
-generate path.
+are matched by method and path before FastAPI sees the request (`ControlPlaneApp`, or
+the served process's own exchange, `hot_exchange.py`, before any ASGI cycle) and served
+under the same body limit and request metrics, with the same roles, validation, error
+shape and metrics labels as the FastAPI routes of the same paths, which stay declared for
+OpenAPI and /docs and call the same code (`Proxy.handle`, `Heartbeats.answer`).
+Everything else goes to FastAPI. Never does database work on the generate path.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 import orjson
@@ -25,6 +27,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from controlplane.auth import CALLERS, ENGINE
 from controlplane.errors import ApiError, InternalError, InvalidRequest, error_response, field_path
+from controlplane.middleware import BodyLimit, RequestMetrics
 from controlplane.outage import DATABASE_ERRORS, is_database_down
 from wire import Heartbeat, Role
 
@@ -86,54 +89,89 @@ async def read_body(receive: Receive) -> bytes:
             return b"".join(chunks)
 
 
+@dataclass(frozen=True)
+class HotRoute:
+    """One hot request's route: its template (for the metrics), who may call it, the
+    handler and the handler's argument (the generate kind or the engine id)."""
+
+    template: RouteTemplate
+    allowed: frozenset[Role]
+    handler: Callable[[bytes, dict[str, str], str, Role], Awaitable[Response]]
+    arg: str
+
+
 class HotPath:
-    """ASGI app for the hot routes: `claim` says whether a request is one of them."""
+    """ASGI app for the hot routes: `claim` says whether a request is one of them.
+
+    `respond` is the lane's whole answer (auth, body, handler, the one error shape); the
+    ASGI entry and the server's own exchange (`controlplane/hot_exchange.py`) both use it.
+    """
 
     def __init__(self, cp: Services) -> None:
         self.cp = cp
-        self.generate_routes = {path: RouteTemplate(path) for path in GENERATE_ROUTES}
+        self.generate_routes = {
+            path: HotRoute(RouteTemplate(path), CALLERS, self._generate, kind)
+            for path, kind in GENERATE_ROUTES.items()
+        }
+
+    def match(self, method: str, path: str) -> HotRoute | None:
+        """The hot route of a request, or None for a request FastAPI serves."""
+        if method != "POST":
+            return None
+        route = self.generate_routes.get(path)
+        if route is not None:
+            return route
+        found = HEARTBEAT_PATH.match(path)
+        if found is not None:
+            return HotRoute(HEARTBEAT_ROUTE, ENGINE, self._heartbeat, found.group(1))
+        return None
 
     def claim(self, scope: Scope) -> bool:
-        """Mark a hot request's scope with its route and handler; False for all others."""
-        if scope["type"] != "http" or scope["method"] != "POST":
+        """Mark a hot request's scope with its route; False for all others."""
+        if scope["type"] != "http":
             return False
-        path = scope["path"]
-        kind = GENERATE_ROUTES.get(path)
-        if kind is not None:
-            scope["route"] = self.generate_routes[path]
-            scope["tether.hot"] = (CALLERS, self._generate, kind)
-            return True
-        match = HEARTBEAT_PATH.match(path)
-        if match is not None:
-            scope["route"] = HEARTBEAT_ROUTE
-            scope["tether.hot"] = (ENGINE, self._heartbeat, match.group(1))
-            return True
-        return False
+        route = self.match(scope["method"], scope["path"])
+        if route is None:
+            return False
+        scope["route"] = route.template
+        scope["tether.hot"] = route
+        return True
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        allowed, handler, arg = scope["tether.hot"]
         # Lower-case names; a repeated header keeps its last value (none of ours repeat).
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        response = await self.respond(
+            scope["tether.hot"], scope["path"], headers, partial(read_body, receive)
+        )
+        await response(scope, receive, send)
+
+    async def respond(
+        self,
+        route: HotRoute,
+        path: str,
+        headers: dict[str, str],
+        body: Callable[[], Awaitable[bytes]],
+    ) -> Response:
+        """The answer to a hot request: its caller's role is checked before `body` is read."""
         try:
             found = await self.cp.tokens.role_of(headers.get("authorization"))
-            role = self.cp.tokens.check(found, allowed)
-            raw = await read_body(receive)
-            response = await handler(raw, headers, arg, role)
+            role = self.cp.tokens.check(found, route.allowed)
+            raw = await body()
+            return await route.handler(raw, headers, route.arg, role)
         except ApiError as exc:
-            response = error_response(exc)
+            return error_response(exc)
         except ClientDisconnect:
             # Nobody is left to answer; the status is for the request metrics only.
-            response = Response(status_code=499)
+            return Response(status_code=499)
         except DATABASE_ERRORS as exc:
             if not is_database_down(exc):
-                log.exception("%s %s failed", scope["method"], scope["path"])
+                log.exception("POST %s failed", path)
                 raise
-            response = error_response(self.cp.outage.failed(exc, scope["path"]))
+            return error_response(self.cp.outage.failed(exc, path))
         except Exception:
             # FastAPI's error middleware is not above this lane: answer in the one shape.
-            log.exception("%s %s failed", scope["method"], scope["path"])
-            response = error_response(InternalError("internal error; see the server log"))
-        await response(scope, receive, send)
+            log.exception("POST %s failed", path)
+            return error_response(InternalError("internal error; see the server log"))
 
     async def _generate(
         self, raw: bytes, headers: dict[str, str], kind: str, _role: Role
@@ -149,18 +187,32 @@ class HotPath:
         return Response(reply, media_type="application/json")
 
 
+@dataclass(frozen=True)
+class HotLane:
+    """The hot lane as the server sees it: the routes, their ASGI entry (`path` wrapped in
+    the middleware both lanes share) and that middleware's limits and request counter,
+    which the server's own exchange applies without going through ASGI."""
+
+    path: HotPath
+    asgi: ASGIApp
+    limits: BodyLimit
+    metrics: RequestMetrics
+    # False: every hot request takes the ASGI entry (TETHER_HOT_EXCHANGE=0).
+    exchange: bool = True
+
+
 class ControlPlaneApp(FastAPI):
     """FastAPI with the hot lane in front: hot requests never enter FastAPI's middleware
-    stack, routing or dependency injection (about a tenth of a generate request's CPU)."""
+    stack, routing or dependency injection (about a tenth of a generate request's CPU).
+    Under `tether controlplane serve` most never enter ASGI either (`hot_exchange.py`)."""
 
-    _hot: tuple[HotPath, ASGIApp] | None = None
+    hot_lane: HotLane | None = None
 
-    def install_hot_lane(self, hot_path: HotPath, lane: ASGIApp) -> None:
-        """`lane` is `hot_path` wrapped in the middleware both lanes share."""
-        self._hot = (hot_path, lane)
+    def install_hot_lane(self, lane: HotLane) -> None:
+        self.hot_lane = lane
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self._hot is not None and self._hot[0].claim(scope):
-            await self._hot[1](scope, receive, send)
+        if self.hot_lane is not None and self.hot_lane.path.claim(scope):
+            await self.hot_lane.asgi(scope, receive, send)
             return
         await super().__call__(scope, receive, send)

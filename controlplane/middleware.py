@@ -41,21 +41,32 @@ class BodyLimit:
         self.limit = limit
         self.header_limit = header_limit
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    def refuse_head(self, headers: list[tuple[bytes, bytes]]) -> ApiError | None:
+        """The refusal a request head earns before its body is read (431 for headers over
+        the limit, 413 for a declared length over it), or None."""
         header_bytes = 0
         declared = None
-        for name, value in scope["headers"]:
+        for name, value in headers:
             header_bytes += len(name) + len(value) + 4
             if name == b"content-length":
                 declared = value
         if header_bytes > self.header_limit:
-            await error_response(headers_too_large(self.header_limit))(scope, receive, send)
-            return
+            return headers_too_large(self.header_limit)
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await error_response(_too_large(self.limit))(scope, receive, send)
+            return _too_large(self.limit)
+        return None
+
+    def too_large(self) -> ApiError:
+        """The refusal of a body that passed the limit while it streamed in (413)."""
+        return _too_large(self.limit)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        refused = self.refuse_head(scope["headers"])
+        if refused is not None:
+            await error_response(refused)(scope, receive, send)
             return
         seen = 0
         over = False
@@ -100,7 +111,8 @@ class RequestMetrics:
         # call, a dict lookup does not. Bounded by routes x statuses.
         self._children: dict[tuple[str, int], Counter] = {}
 
-    def _count(self, template: str, status: int) -> None:
+    def count(self, template: str, status: int) -> None:
+        """Count one answered request (also called by the hot lane's own exchange)."""
         child = self._children.get((template, status))
         if child is None:
             child = self.metrics.requests.labels(template, str(status))
@@ -124,4 +136,4 @@ class RequestMetrics:
         finally:
             route = scope.get("route")
             template = getattr(route, "path", None) or "unmatched"
-            self._count(template, status)
+            self.count(template, status)

@@ -16,6 +16,7 @@ import orjson
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from controlplane import hot_exchange
 from controlplane.draining import begin as begin_draining
 from controlplane.middleware import headers_too_large
 from controlplane.settings import ControlPlaneSettings
@@ -35,7 +36,8 @@ def head_limit() -> int:
 class CappedHttpTools(HttpToolsProtocol):
     """uvicorn's httptools protocol that answers 431 (in the shared JSON error shape) and
     closes the connection once a request's head passes `limit_bytes` (set by `run`; in
-    worker processes, from the environment)."""
+    worker processes, from the environment), and hands the hot lane's requests to its own
+    exchange (`hot_exchange.py`) instead of an ASGI cycle."""
 
     limit_bytes: int | None = None
 
@@ -64,7 +66,8 @@ class CappedHttpTools(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._head_bytes = 0
-        super().on_headers_complete()
+        if not hot_exchange.start(self):
+            super().on_headers_complete()
 
     def shutdown(self) -> None:
         # The server calls this on every connection when its graceful shutdown begins:

@@ -22,6 +22,9 @@ class ControlPlaneSettings(BaseSettings):
     lease_seconds: float = Field(default=10.0, gt=0)
     heartbeat_interval_s: float = Field(default=2.0, gt=0)
     max_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0)
+    # The hot lane (generate routes, heartbeats) answered by the server's own exchange
+    # instead of an ASGI cycle (`hot_exchange.py`); off: the ASGI entry, same answers.
+    hot_exchange: bool = True
     # All request headers together (431 past it; the HTTP parser is capped just above).
     max_header_bytes: int = Field(default=64 * 1024, gt=0)
     # One streamed answer relayed by the router; past it the stream ends with an error event.

@@ -1,0 +1,203 @@
+"""The hot lane's own HTTP exchange: a hot request answered on the server's connection
+without ASGI.
+
+Owns serving one request of the hot lane (`HotPath`: the generate routes and the
+heartbeat) straight from uvicorn's httptools protocol: the body is collected from the
+parser's callbacks, `HotPath.respond` answers it (the same roles, validation, error shape
+and handlers as the ASGI entry), and a complete answer leaves in one write — status line,
+headers and body — instead of the ASGI cycle's scope, receive/send messages, middleware
+closures and two writes. The body and header limits and the request metrics are the
+lane's own middleware objects, applied directly. Streamed answers go through small ASGI
+send/receive shims with chunked framing and the connection's write flow control.
+
+It stands in the protocol's `cycle` slot and keeps the attributes the protocol reads and
+writes there (`body`, `more_body`, `message_event`, `response_complete`, `disconnected`,
+`keep_alive`), so keep-alive, pipelining behind it, disconnects and graceful shutdown are
+uvicorn's own. Never takes a request that is not a plain HTTP/1.1 POST on a hot path with
+nothing still unanswered ahead of it on the connection (no `Expect`, no upgrade, no
+percent-encoded path, no concurrency limit configured): those go to uvicorn's ASGI cycle
+and reach the same `HotPath` through `ControlPlaneApp`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+import httptools
+from starlette.requests import ClientDisconnect
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Message
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE
+
+from controlplane.errors import InternalError, error_response
+from controlplane.hotpath import HotLane, HotRoute
+
+if TYPE_CHECKING:
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+log = logging.getLogger(__name__)
+
+CLIENT_GONE = 499
+
+
+def start(protocol: HttpToolsProtocol) -> bool:
+    """Take the request whose head the protocol has just parsed, if it is a hot one that
+    this exchange may serve; False leaves it to uvicorn's ASGI cycle."""
+    lane = getattr(protocol.app, "hot_lane", None)
+    if not isinstance(lane, HotLane) or not lane.exchange:
+        return False
+    parser = protocol.parser
+    current = protocol.cycle
+    if (
+        parser.get_method() != b"POST"
+        or parser.get_http_version() != "1.1"
+        or parser.should_upgrade()
+        or protocol.expect_100_continue
+        or protocol.limit_concurrency is not None
+        # An answer still due ahead of this one: uvicorn's queue keeps them in order.
+        or (current is not None and not current.response_complete)
+    ):
+        return False
+    raw_path = httptools.parse_url(protocol.url).path
+    if b"%" in raw_path:
+        return False
+    path = raw_path.decode("ascii")
+    route = lane.path.match("POST", path)
+    if route is None:
+        return False
+    exchange = HotExchange(protocol, lane, route, path, parser.should_keep_alive())
+    protocol.cycle = exchange  # type: ignore[assignment]
+    task = protocol.loop.create_task(exchange.run())
+    protocol.tasks.add(task)
+    task.add_done_callback(protocol.tasks.discard)
+    return True
+
+
+class HotExchange:
+    """One hot request and its answer on one connection."""
+
+    def __init__(
+        self,
+        protocol: HttpToolsProtocol,
+        lane: HotLane,
+        route: HotRoute,
+        path: str,
+        keep_alive: bool,
+    ) -> None:
+        self.protocol = protocol
+        self.lane = lane
+        self.route = route
+        self.path = path
+        self.raw_headers = protocol.headers
+        # The protocol's view of its current request (see the module docstring).
+        self.body = bytearray()
+        self.more_body = True
+        self.message_event = asyncio.Event()
+        self.response_complete = False
+        self.disconnected = False
+        self.keep_alive = keep_alive
+        self._chunked = False
+
+    async def run(self) -> None:
+        status = 500
+        try:
+            response = await self._answer()
+            status = response.status_code
+            if status != CLIENT_GONE and not self.disconnected:
+                await self._send_response(response)
+        except Exception:
+            # `respond` answers every error in the one shape; this is a failure to send.
+            log.exception("POST %s: the answer could not be sent", self.path)
+            self.keep_alive = False
+        except asyncio.CancelledError:
+            self.keep_alive = False  # shutting down mid-answer: end the connection
+            raise
+        finally:
+            self.lane.metrics.count(self.route.template.path, status)
+            self._complete()
+
+    async def _answer(self) -> Response:
+        refused = self.lane.limits.refuse_head(self.raw_headers)
+        if refused is not None:
+            return error_response(refused)
+        # Names are lower-case already (the protocol lowers them); a repeated header keeps
+        # its last value, as on the ASGI entry.
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in self.raw_headers}
+        try:
+            return await self.lane.path.respond(self.route, self.path, headers, self._read_body)
+        except Exception:
+            # `respond` logged it and re-raised for ASGI's server; answer in the one shape.
+            return error_response(InternalError("internal error; see the server log"))
+
+    async def _read_body(self) -> bytes:
+        limit = self.lane.limits.limit
+        while self.more_body and not self.disconnected:
+            if len(self.body) > limit:
+                raise self.lane.limits.too_large()
+            self.protocol.flow.resume_reading()
+            await self.message_event.wait()
+            self.message_event.clear()
+        if self.disconnected:
+            raise ClientDisconnect()
+        if len(self.body) > limit:
+            raise self.lane.limits.too_large()
+        return bytes(self.body)
+
+    def _head(self, status: int, headers: list[tuple[bytes, bytes]]) -> list[bytes]:
+        parts = [STATUS_LINE[status]]
+        for name, value in (*self.protocol.server_state.default_headers, *headers):
+            parts += (name, b": ", value, b"\r\n")
+        if not self.keep_alive:
+            parts.append(b"connection: close\r\n")
+        return parts
+
+    async def _send_response(self, response: Response) -> None:
+        if isinstance(response, StreamingResponse) or not hasattr(response, "body"):
+            await response({"type": "http", "method": "POST"}, self._receive, self._send)
+            return
+        parts = self._head(response.status_code, response.raw_headers)
+        parts += (b"\r\n", bytes(response.body))
+        self.protocol.transport.write(b"".join(parts))
+
+    async def _send(self, message: Message) -> None:
+        """ASGI `send` for a streamed answer: chunked framing, paced by the socket."""
+        flow = self.protocol.flow
+        if flow.write_paused and not self.disconnected:
+            await flow.drain()
+        if self.disconnected:
+            return
+        transport = self.protocol.transport
+        if message["type"] == "http.response.start":
+            headers = list(message.get("headers", []))
+            self._chunked = not any(name == b"content-length" for name, _ in headers)
+            parts = self._head(message["status"], headers)
+            if self._chunked:
+                parts.append(b"transfer-encoding: chunked\r\n")
+            parts.append(b"\r\n")
+            transport.write(b"".join(parts))
+            return
+        body: bytes = message.get("body", b"")
+        more: bool = message.get("more_body", False)
+        if not self._chunked:
+            transport.write(body)
+            return
+        framed = [b"%x\r\n" % len(body), body, b"\r\n"] if body else []
+        if not more:
+            framed.append(b"0\r\n\r\n")
+        transport.write(b"".join(framed))
+
+    async def _receive(self) -> dict[str, Any]:
+        """ASGI `receive` after the body was read: returns once the client has left."""
+        while not self.disconnected:
+            await self.message_event.wait()
+            self.message_event.clear()
+        return {"type": "http.disconnect"}
+
+    def _complete(self) -> None:
+        self.response_complete = True
+        self.message_event.set()
+        if not self.keep_alive or self.disconnected:
+            self.protocol.transport.close()
+        self.protocol.on_response_complete()
