@@ -556,6 +556,7 @@ def run(
 
         figures["heartbeat_p99_ms_sqlite"] = figures["heartbeat_p99_ms_postgres"] = None
         figures["postgres_skipped_reason"] = None
+        server_url: str | None = pg_url
         if heartbeat_seconds > 0:
             hb_cp = _start_controlplane(procs, f"sqlite:///{work / 'hb.db'}", store, env=LONG_LEASE)
             assert hb_cp.url is not None
@@ -566,10 +567,10 @@ def run(
                 f"heartbeat p99, {fleet} engines at 1 Hz, SQLite: "
                 f"{figures['heartbeat_p99_ms_sqlite']} ms"
             )
-            if not pg_url:
-                pg_url, remove_postgres, figures["postgres_skipped_reason"] = _own_postgres()
-        if pg_url and heartbeat_seconds > 0:
-            fresh_url, drop_database = _fresh_pg_database(pg_url)
+            if not server_url:
+                server_url, remove_postgres, figures["postgres_skipped_reason"] = _own_postgres()
+        if heartbeat_seconds > 0 and server_url:
+            fresh_url, drop_database = _fresh_pg_database(server_url)
             try:
                 pg_cp = _start_controlplane(procs, fresh_url, store, env=LONG_LEASE)
                 assert pg_cp.url is not None
