@@ -57,3 +57,9 @@ from bench import fleet as _fleet_bench  # noqa: E402
 app.command(name="fleet", help="A swarm of real agents: convergence, store egress, heartbeats.")(
     _fleet_bench.run
 )
+
+from bench import sessions as _sessions_bench  # noqa: E402
+
+app.command(
+    name="sessions", help="Multi-turn sessions: prefix-cache hit rate sticky vs affinity vs random."
+)(_sessions_bench.run)
