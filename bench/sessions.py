@@ -67,8 +67,11 @@ class Turn:
 
     prompt_ids: list[int]
     completion_ids: list[int]
-    returned_ids: list[int]
-    cached_tokens: int | None = None
+    # What the engine's answer said, to hold the record against: its completion ids (the
+    # token route returns them), or its text (chat completions), and its token counts.
+    returned_ids: list[int] | None = None
+    returned_text: str | None = None
+    returned_counts: tuple[int, int] | None = None  # (prompt tokens, completion tokens)
 
 
 @dataclass
@@ -133,12 +136,22 @@ class Workload:
         return [first, *later]
 
 
-def tito_mismatches(turns: Sequence[Turn]) -> int:
-    """Turns whose recorded ids differ from the engine's, or whose prompt is not the previous
-    turn's exact prompt + completion ids followed by new tokens (a re-tokenized history)."""
+def tito_mismatches(tokenizer: Any, turns: Sequence[Turn]) -> int:
+    """Turns whose record differs from what the engine returned (ids, text or token counts),
+    or whose prompt is not the previous turn's exact prompt + completion ids followed by new
+    tokens (a re-tokenized history)."""
     bad = 0
     for i, turn in enumerate(turns):
-        wrong = turn.completion_ids != turn.returned_ids
+        counts = (len(turn.prompt_ids), len(turn.completion_ids))
+        wrong = (
+            (turn.returned_ids is not None and turn.completion_ids != turn.returned_ids)
+            or (turn.returned_counts is not None and counts != turn.returned_counts)
+            or (
+                turn.returned_text is not None
+                and tokenizer.decode(turn.completion_ids, skip_special_tokens=True)
+                != turn.returned_text
+            )
+        )
         if i > 0:
             history = turns[i - 1].prompt_ids + turns[i - 1].completion_ids
             wrong = wrong or turn.prompt_ids[: len(history)] != history
@@ -197,7 +210,8 @@ async def _generate_session(
         answer = reply.json()
         meta = answer["meta_info"]
         returned = [int(entry[1]) for entry in meta["output_token_logprobs"]]
-        turns.append(Turn(prompt, list(answer["output_ids"]), returned, meta.get("cached_tokens")))
+        counts = (int(meta["prompt_tokens"]), int(meta["completion_tokens"]))
+        turns.append(Turn(prompt, list(answer["output_ids"]), returned, None, counts))
     return turns
 
 
@@ -212,7 +226,7 @@ async def _sticky_session(
     session_id = created.json()["session_id"]
     base = f"/v1/sessions/{session_id}"
     messages: list[dict[str, Any]] = [{"role": "system", "content": workload.system()}]
-    returned: list[list[int] | None] = []
+    answers: list[dict[str, Any]] = []
     try:
         for message in workload.user_messages("sticky", index):
             messages.append({"role": "user", "content": message})
@@ -223,40 +237,33 @@ async def _sticky_session(
                     "messages": messages,
                     "max_tokens": max_tokens,
                     "temperature": 1.0,
-                    "logprobs": True,
                 },
             )
             reply.raise_for_status()
             answer = reply.json()
-            choice = answer["choices"][0]
-            messages.append({"role": "assistant", "content": choice["message"]["content"] or ""})
-            returned.append(_returned_ids(answer))
+            # Sent back as answered: the session checks the history against its record.
+            messages.append({"role": "assistant", "content": _content(answer)})
+            answers.append(answer)
         record = await client.get(f"{base}/trajectory")
         record.raise_for_status()
     finally:
         await client.delete(base)
     turns = []
-    for n, turn in enumerate(record.json()["turns"]):
-        completion = [int(t) for t in turn["completion_ids"]]
-        engine_ids = returned[n] if n < len(returned) else None
+    for turn, answer in zip(record.json()["turns"], answers, strict=True):
+        tether = answer["tether"]
         turns.append(
             Turn(
                 [int(t) for t in turn["prompt_ids"]],
-                completion,
-                completion if engine_ids is None else engine_ids,
+                [int(t) for t in turn["completion_ids"]],
+                returned_text=_content(answer),
+                returned_counts=(int(tether["prompt_tokens"]), int(tether["completion_tokens"])),
             )
         )
     return turns
 
 
-def _returned_ids(answer: dict[str, Any]) -> list[int] | None:
-    """The completion ids the engine returned, when the answer carries them."""
-    tether = answer.get("tether") or {}
-    for source in (tether, answer["choices"][0]):
-        ids = source.get("completion_ids") or source.get("token_ids")
-        if ids is not None:
-            return [int(t) for t in ids]
-    return None
+def _content(answer: dict[str, Any]) -> str:
+    return str(answer["choices"][0]["message"].get("content") or "")
 
 
 async def _run_policy(
@@ -428,13 +435,13 @@ def _wait_routable(cp_url: str, token: str, count: int) -> None:
 
 def run(
     sessions: Annotated[int, typer.Option(help="Conversations per policy.")] = 100,
-    turns: Annotated[int, typer.Option(help="Turns per conversation.")] = 6,
+    turns: Annotated[int, typer.Option(help="Turns per conversation.")] = 8,
     engines: Annotated[int, typer.Option(help="vLLM engines (each with its agent).")] = 2,
     concurrency: Annotated[int, typer.Option(help="Conversations in flight at once.")] = 8,
     max_tokens: Annotated[int, typer.Option(help="Completion tokens per turn.")] = 8,
-    system_tokens: Annotated[int, typer.Option(help="Shared system prompt (tokens).")] = 320,
-    task_tokens: Annotated[int, typer.Option(help="Each conversation's task (tokens).")] = 192,
-    turn_tokens: Annotated[int, typer.Option(help="Each later tool result (tokens).")] = 48,
+    system_tokens: Annotated[int, typer.Option(help="Shared system prompt (tokens).")] = 640,
+    task_tokens: Annotated[int, typer.Option(help="Each conversation's task (tokens).")] = 128,
+    turn_tokens: Annotated[int, typer.Option(help="Each later tool result (tokens).")] = 32,
     policies: Annotated[str, typer.Option(help="Comma-separated subset to run.")] = ",".join(
         POLICIES
     ),
@@ -531,7 +538,7 @@ def _measure(
         cpu_s=cpu,
         hits=after[0] - before[0],
         queries=after[1] - before[1],
-        tito_mismatches=sum(tito_mismatches(c) for c in done),
+        tito_mismatches=sum(tito_mismatches(tokenizer, c) for c in done),
         retokenization_drift=sum(retokenization_drift(tokenizer, c) for c in done),
         failures=failures,
     )
