@@ -136,7 +136,7 @@ def train_on(samples: list[Sample], model_dir: Path) -> dict[str, float]:
 
     from trainer_client.losses import grpo_advantages, policy_loss
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     length = max(len(s.token_ids) for s in samples)
 
     def padded(rows: list[list[Any]], fill: Any, dtype: torch.dtype) -> torch.Tensor:

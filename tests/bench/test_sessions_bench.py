@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1000)
 def test_sessions_bench_keeps_histories_cached_and_token_ids_exact(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "bench.sessions", "--sessions", "6", "--turns", "3",
