@@ -6,23 +6,22 @@ as `tether demo` does) and builds the sandbox's example task (a `calc` repositor
 `add` subtracts; `sandboxes/example.py`). Each episode then
 
 1. opens a session pinned to the boot version (`POST /v1/sessions`);
-2. runs a small scripted agent loop over the OpenAI chat-completions API with
-   `base_url = <cp>/v1/sessions/{id}` (the OpenAI SDK works the same): the task, then the
-   results of the tool calls the script decides (read the file, run the tests), each after
-   one model turn. The tiny model's words are no code: the script also chooses the final
-   patch (the fix on some episodes, a wrong fix on the others), while every model turn is
-   sampled and recorded by the session;
+2. runs a small scripted agent loop with the OpenAI SDK at `base_url =
+   <cp>/v1/sessions/{id}`: the task, then the results of the tool calls the script decides
+   (read the file, run the tests), each after one model turn. The tiny model's words are
+   no code: the script also chooses the final patch (the fix on even episodes, a wrong fix
+   on odd ones), while every model turn is sampled and recorded by the session;
 3. fetches the trajectory (the exact token ids the engine consumed and sampled, the loss
    mask, the sampler's logprobs and the weight versions) and ends the session;
 4. applies the final patch to the task and scores it with the sandbox scorer (isolated test
    run; reward 1 when the task's failing test passes and nothing else broke).
 
 It writes one trainer-ready sample per episode to `<workdir>/samples.jsonl` (token ids,
-loss mask, sampler logprobs, versions, reward) and feeds them as one batch to
-`trainer_client.losses.policy_loss` (GRPO advantages, MIS correction) with the trainer's
-own logprobs from transformers on the same weights. The last line printed is ONE JSON
-object: episodes, turns, rewards, tokens, trainable_tokens, loss, the largest trainer/sampler
-logprob gap on trainable tokens and the MIS weight mean.
+loss mask, sampler logprobs, versions, reward) and feeds them as one batch
+(`trainer_client.session_batch`) to `trainer_client.losses.policy_loss` (GRPO advantages,
+MIS correction) with the trainer's own logprobs from transformers on the same weights. The
+last line printed is ONE JSON object: episodes, turns, rewards, tokens, trainable_tokens,
+loss, the largest trainer/sampler logprob gap on trainable tokens, the MIS weight mean.
 
 What is specific to Tether is marked "Tether:"; the rest is an ordinary agent loop.
 """
@@ -82,6 +81,8 @@ def run_episode(
     client: httpx.Client, run_id: str, task: ExampleTask, episode: int, max_tokens: int
 ) -> tuple[dict[str, Any], str]:
     """One session: the scripted loop, then its trajectory. Returns (trajectory, patch)."""
+    from openai import OpenAI
+
     # Tether: one session per episode, pinned to v0 so the whole episode is on one version.
     created = client.post(
         "/v1/sessions",
@@ -89,24 +90,26 @@ def run_episode(
     )
     created.raise_for_status()
     session = created.json()["session_id"]
-    base = f"/v1/sessions/{session}"  # Tether: the OpenAI base_url of this episode
+    base = f"/v1/sessions/{session}"
+    # Tether: the session is the OpenAI base_url; the token is the API key.
+    llm = OpenAI(
+        base_url=f"{client.base_url}{base}",
+        api_key=client.headers["Authorization"].removeprefix("Bearer "),
+        max_retries=0,
+    )
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
     try:
         for said in agent_turns(task):
             messages.append({"role": "user", "content": said})
-            reply = client.post(
-                f"{base}/chat/completions",
-                json={
-                    "model": run_id,
-                    "messages": messages,
-                    "max_tokens": max_tokens,
-                    "temperature": 1.0,
-                    "seed": episode,
-                },
+            answer = llm.chat.completions.create(
+                model=run_id,
+                messages=messages,  # type: ignore[arg-type]
+                max_tokens=max_tokens,
+                temperature=1.0,
+                seed=episode,
             )
-            reply.raise_for_status()
-            message = reply.json()["choices"][0]["message"]
-            messages.append({"role": "assistant", "content": message.get("content") or ""})
+            # Sent back as answered: the session holds the history against its record.
+            messages.append({"role": "assistant", "content": answer.choices[0].message.content})
         record = client.get(f"{base}/trajectory")  # Tether: the exact ids, mask, logprobs
         record.raise_for_status()
     finally:
@@ -135,32 +138,18 @@ def train_on(samples: list[Sample], model_dir: Path) -> dict[str, float]:
     from transformers import AutoModelForCausalLM
 
     from trainer_client.losses import grpo_advantages, policy_loss
+    from trainer_client.session_batch import next_token_logprobs, session_batch
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    length = max(len(s.token_ids) for s in samples)
-
-    def padded(rows: list[list[Any]], fill: Any, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor([row + [fill] * (length - len(row)) for row in rows], dtype=dtype)
-
-    ids = padded([s.token_ids for s in samples], 0, torch.long)
-    mask = padded([s.loss_mask for s in samples], 0, torch.long)
-    sampler = padded([s.logprobs for s in samples], 0.0, torch.float32)
-    # Position t's logits predict token t + 1: score tokens 1..T-1, the first is never sampled.
-    logits = (
-        model(
-            ids, attention_mask=(padded([[1] * len(s.token_ids) for s in samples], 0, torch.long))
-        )
-        .logits[:, :-1]
-        .float()
-    )
-    trainer = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-    mask, sampler = mask[:, 1:], sampler[:, 1:]
+    batch = session_batch([asdict(s) for s in samples])
+    logits = model(batch.input_ids, attention_mask=batch.attention_mask).logits
+    logprobs = next_token_logprobs(logits, batch.input_ids)
     rewards = torch.tensor([float(s.reward) for s in samples])
     advantages = grpo_advantages(rewards, group_size=len(samples))
-    out = policy_loss(trainer, sampler, advantages, mask, correction="mis")
+    out = policy_loss(logprobs, batch.sampler_logprobs, advantages, batch.mask, correction="mis")
     out.loss.backward()
-    trainable = mask.bool()
-    gap = (trainer.detach() - sampler).abs()[trainable]
+    trainable = batch.mask.bool()
+    gap = (logprobs.detach() - batch.sampler_logprobs).abs()[trainable]
     return {
         "loss": float(out.loss.detach()),
         "max_logprob_gap": float(gap.max()) if gap.numel() else 0.0,
