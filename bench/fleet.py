@@ -422,7 +422,7 @@ async def _measure(config: FleetConfig, work: Path, say: Callable[[str], None]) 
             await swarm.wait_serving(version, config.engines, CONVERGE_DEADLINE_S)
             times = swarm.reached(version, published)
             woken = [t - published for t in swarm.probes.woken.get(version, [])]
-            row = {
+            row: dict[str, Any] = {
                 "version": version,
                 "version_bytes": trainer.sizes[version],
                 **{f"t{int(f * 100)}_s": fraction_time(times, config.engines, f)
