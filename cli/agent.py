@@ -52,6 +52,18 @@ def run(
         "the engine's running-request limit.",
     ),
     label: list[str] = typer.Option(None, "--label", help="key=value, repeatable."),
+    peer_fetch: bool = typer.Option(
+        None,
+        "--peer-fetch/--no-peer-fetch",
+        help="Fetch version files from peers the control plane names (verified against "
+        "the store) and serve held files to peers (default on; docs/peers.md).",
+    ),
+    fetch_source: list[str] = typer.Option(
+        None,
+        "--fetch-source",
+        help="An HTTP cache / P2P distributor base URL or a store mirror URL tried before "
+        "the store, verified the same way; repeatable.",
+    ),
     log_level: str = typer.Option(None, "--log-level", help="debug | info | warning"),
 ) -> None:
     """Keep an engine on its target version and serve it through the versioned proxy."""
@@ -82,6 +94,8 @@ def run(
         "capacity": capacity,
         "engine_connections": engine_connections,
         "labels": label or None,
+        "peer_fetch": peer_fetch,
+        "fetch_sources": fetch_source or None,
         "log_level": log_level,
     }
     try:

@@ -20,7 +20,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
-from controlplane import dashboard, session_routes
+from controlplane import dashboard, peer_routes, session_routes
 from controlplane import db as dbmod
 from controlplane.auth import (
     ADMIN,
@@ -242,6 +242,7 @@ def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:
 
     dashboard.install(app, cp, role)
     app.state.chat_sessions = session_routes.install(app, cp, role)
+    peer_routes.install(app, cp, role)
 
     # ------------------------------------------------------------------ ops
 

@@ -37,6 +37,18 @@ class Metrics:
             ["reason"],
             registry=self.registry,
         )
+        self.peer_reports = Counter(
+            "tether_peer_reports_total",
+            "Peers reported by engines for bad bytes, failures or stalls, by reason",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.fetch_plans = Counter(
+            "tether_fetch_plans_total",
+            "Fetch plans handed to catching-up engines, by whether they name peers",
+            ["peers"],
+            registry=self.registry,
+        )
         self.decision = Histogram(
             "tether_routing_decision_seconds",
             "Time to choose an engine from the in-memory snapshot",

@@ -14,6 +14,7 @@ from typing import Any
 from controlplane import db as dbmod
 from controlplane.auth import TokenChecker
 from controlplane.catalog import Catalog
+from controlplane.fetch_plan import Suspects
 from controlplane.fleet import Fleet
 from controlplane.heartbeats import Heartbeats
 from controlplane.metrics import Metrics
@@ -46,6 +47,8 @@ class Services:
     proxy: Proxy | None = None
     first_admin_token: str | None = None
     version_events: list[asyncio.Event] = field(default_factory=list)
+    # Peers reported for bad bytes or stalls, left out of fetch plans for a while.
+    suspects: Suspects = field(default_factory=lambda: Suspects(60.0))
 
     @classmethod
     def build(cls, settings: ControlPlaneSettings) -> Services:
@@ -73,6 +76,7 @@ class Services:
             catalog=catalog,
             outage=outage,
             store_sync=store_sync,
+            suspects=Suspects(settings.peer_suspect_s),
         )
         return services
 

@@ -59,3 +59,9 @@ class ControlPlaneSettings(BaseSettings):
     # database holds them all; a session out of memory is read back on its next turn).
     session_ttl_s: float = Field(default=3600.0, gt=0)
     session_cache: int = Field(default=1000, ge=1)
+    # Peer-assisted fetch (controlplane/fetch_plan.py): the tree's fan-out (children per
+    # peer), how many peers one plan names (nearest ancestors first; the store comes after
+    # them; 0 turns peer fetch off fleet-wide) and how long a reported peer is left out.
+    peer_fanout: int = Field(default=4, ge=1)
+    peer_plan_size: int = Field(default=3, ge=0)
+    peer_suspect_s: float = Field(default=60.0, ge=0)

@@ -48,6 +48,8 @@ from engine_agent.errors import (
     UnrecoverableEngineError,
 )
 from engine_agent.gate import AdmissionGate
+from engine_agent.peer_fetch import PeerFetch
+from engine_agent.peer_server import PeerServer
 from engine_agent.proxy import VersionedProxy
 from engine_agent.reconciler import Reconciler
 from engine_agent.settings import AgentSettings
@@ -86,7 +88,13 @@ class Agent:
         lets many agents in one process share a store client (the fleet benchmark)."""
         self.settings = settings
         self.engine = engine or make_engine(settings)
-        self.store = store or Store(settings.store)
+        # Peer-assisted fetch needs the control plane (plans, token checks); the fetched
+        # files are then kept, verified, in the work dir to serve them to peers (a store
+        # passed in serves peers only if it has a cache folder).
+        peers = settings.peer_fetch and bool(settings.control_planes or control)
+        self.store = store or Store(
+            settings.store, cache_dir=settings.work_dir / "peer-files" if peers else None
+        )
         self.status = AgentStatus()
         self.gate = AdmissionGate(
             None, wait_s=settings.admission_wait_s, on_reject=lambda _c: self.reconciler.wake()
@@ -101,6 +109,7 @@ class Agent:
         self.lease_seconds = 10.0
         self._beat = asyncio.Event()
         self._stop = asyncio.Event()
+        self._registered = asyncio.Event()
         self.reconciler = Reconciler(
             engine=self.engine,
             gate=self.gate,
@@ -132,6 +141,33 @@ class Agent:
             dialect=self.engine.dialect,
             connections=settings.engine_connections,
         )
+        self.peer_server: PeerServer | None = None
+        if peers and self.store.cache is not None and self.control is not None:
+            self.peer_server = PeerServer(
+                cache=self.store.cache,
+                run_id=settings.run,
+                status=self.status,
+                role_of=self.control.token_role,
+                expecting=self._expecting,
+                max_wait_s=settings.peer_wait_s,
+                upload_slots=settings.peer_upload_slots,
+                upload_bytes_per_s=settings.peer_upload_bytes_per_s,
+            )
+            self.proxy.extra_routes.append(self.peer_server.install)
+            self.reconciler.on_commit = self._prune_peer_files
+        if peers or settings.fetch_sources:
+            self.reconciler.fetch = PeerFetch(
+                control=self.control,
+                engine_id=lambda: self.engine_id,
+                registered=self._registered,
+                own_url=self.url,
+                token=settings.token,
+                status=self.status,
+                configured=settings.fetch_sources,
+                peers=peers,
+                wait_s=settings.peer_wait_s,
+                stall_s=settings.peer_stall_s,
+            )
 
     # ---- reporting -----------------------------------------------------------------------
 
@@ -173,6 +209,24 @@ class Agent:
         self.status.engine_reachable = False
         self.status.last_error = f"EngineUnreachable: {message}"
         self._beat.set()
+
+    # ---- peer-assisted fetch ---------------------------------------------------------------
+
+    def _expecting(self, version: int) -> bool:
+        """Whether this agent will soon hold `version`'s files (a peer may wait for them):
+        it does not hold the version yet, and its running pass downloads it, or has not
+        planned yet (the control plane names a peer only when it is heading there)."""
+        if self.status.terminal:
+            return False
+        applied = self.status.applied_version
+        if applied is not None and version <= applied:
+            return False
+        fetching = self.reconciler.fetching
+        return fetching is None or version in fetching
+
+    def _prune_peer_files(self, applied: int) -> None:
+        if self.peer_server is not None:
+            self.peer_server.prune(applied, self.settings.peer_keep_versions)
 
     # ---- startup -------------------------------------------------------------------------
 
@@ -235,6 +289,7 @@ class Agent:
         )
         reply = await self.control.register(body)
         self.engine_id = reply.engine_id
+        self._registered.set()
         self.heartbeat_interval_s = reply.heartbeat_interval_s
         self.lease_seconds = reply.lease_seconds
         log.info("registered as engine %s at %s", reply.engine_id, self.control.url)

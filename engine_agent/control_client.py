@@ -1,6 +1,7 @@
 """`ControlClient`: the agent's side of the control plane's engine API.
 
-Owns the four calls an engine makes (register, heartbeat, target long-poll, deregister) with
+Owns the calls an engine makes (register, heartbeat, target long-poll, deregister, and for
+peer-assisted fetch: its fetch plan, a peer report, another token's role) with
 the wire models of `wire`, and their failure mapping: 404 on an engine route
 → `EngineNotRegistered` (register again), anything else unexpected →
 `ControlPlaneUnavailable`. Also owns fail-over between control-plane replicas: it keeps
@@ -23,8 +24,10 @@ from wire import (
     EngineRegistered,
     Heartbeat,
     HeartbeatReply,
+    Role,
     TargetReply,
 )
+from wire.peers import FetchPlan, PeerReport, TokenIdentity
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +153,36 @@ class ControlClient:
         )
         assert reply is not None
         return reply
+
+    async def fetch_plan(self, engine_id: str, version: int) -> FetchPlan:
+        """The peers to fetch `version`'s files from (docs/peers.md)."""
+        reply = await self._call(
+            "GET", f"/v1/engines/{engine_id}/fetch-plan", FetchPlan, params={"version": version}
+        )
+        assert reply is not None
+        return reply
+
+    async def report_peer(self, engine_id: str, report: PeerReport) -> None:
+        await self._call("POST", f"/v1/engines/{engine_id}/peer-reports", None, report)
+
+    async def token_role(self, authorization: str) -> Role | None:
+        """The role of another caller's bearer token (a peer asking for files), or None
+        if the control plane does not know it. Raise `ControlPlaneUnavailable` if no
+        control plane answers."""
+        client = self._clients[self._current]
+        try:
+            reply = await client.get("/v1/tokens/self", headers={"Authorization": authorization})
+        except httpx.HTTPError as exc:
+            raise ControlPlaneUnavailable(
+                f"control plane at {self.url} did not answer the token check: {exc}"
+            ) from exc
+        if reply.status_code in (401, 403):
+            return None
+        if reply.status_code != 200:
+            raise ControlPlaneUnavailable(
+                f"control plane at {self.url} answered the token check with {reply.status_code}"
+            )
+        return TokenIdentity.model_validate_json(reply.content).role
 
     async def deregister(self, engine_id: str) -> None:
         try:

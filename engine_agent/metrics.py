@@ -1,8 +1,9 @@
 """Prometheus metrics of one engine agent, read from its `AgentStatus` at scrape time.
 
 Owns the metric names of the agent's `/metrics`: the applied version, whether the agent is
-healthy, and failed reconcile passes by error type (a full staging disk counts under
-`StageFailed`). Must never do I/O or change the status it reads.
+healthy, failed reconcile passes by error type (a full staging disk counts under
+`StageFailed`), and peer-assisted fetch (bytes by source, dropped sources, uploads).
+Must never do I/O or change the status it reads.
 """
 
 from __future__ import annotations
@@ -39,6 +40,39 @@ class _StatusCollector:
         for error, count in sorted(status.failures.items()):
             failures.add_metric([error], count)
         yield failures
+        yield from _peer_metrics(status)
+
+
+def _peer_metrics(status: AgentStatus) -> Iterator[Metric]:
+    """Peer-assisted fetch (docs/peers.md): where version bytes came from, dropped sources,
+    and what this agent uploaded to its peers."""
+    fetched = CounterMetricFamily(
+        "tether_agent_fetched_bytes",
+        "Version-file bytes fetched, by source (store, peer, http, objects)",
+        labels=["source"],
+    )
+    for source, count in sorted(status.fetched_bytes.items()):
+        fetched.add_metric([source], count)
+    yield fetched
+    faults = CounterMetricFamily(
+        "tether_agent_fetch_source_faults",
+        "Fetch sources dropped for bad bytes, failures or stalls, by reason",
+        labels=["reason"],
+    )
+    for reason, count in sorted(status.source_faults.items()):
+        faults.add_metric([reason], count)
+    yield faults
+    rejected = CounterMetricFamily(
+        "tether_agent_fetch_rejected_bytes",
+        "Bytes received from a fetch source and discarded: they did not match the store",
+    )
+    rejected.add_metric([], status.rejected_bytes)
+    yield rejected
+    served = CounterMetricFamily(
+        "tether_agent_peer_served_bytes", "Version-file bytes served to peers"
+    )
+    served.add_metric([], status.served_bytes)
+    yield served
 
 
 def render(status: AgentStatus) -> bytes:

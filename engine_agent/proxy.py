@@ -192,6 +192,9 @@ class VersionedProxy:
         self.server_info = server_info
         self.on_engine_error = on_engine_error
         self.dialect = dialect or SGLangDialect()
+        # More routes for the agent's app (e.g. the peer file route), added before the
+        # catch-all that refuses control routes.
+        self.extra_routes: list[Callable[[FastAPI], None]] = []
         self.client = httpx.AsyncClient(
             base_url=self.engine_url,
             timeout=httpx.Timeout(timeout_s, connect=5.0),
@@ -431,6 +434,9 @@ class VersionedProxy:
         @app.get("/metrics")
         async def metrics() -> Response:
             return Response(render_metrics(self.status), media_type="text/plain; version=0.0.4")
+
+        for install in self.extra_routes:
+            install(app)
 
         @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE"])
         async def other(path: str) -> Response:

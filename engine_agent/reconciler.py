@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -43,8 +44,10 @@ from engine_agent.errors import (
     UnrecoverableEngineError,
 )
 from engine_agent.gate import AdmissionGate
+from engine_agent.peer_fetch import PeerFetch
 from engine_agent.staging import StagedCheckpoint, Stager
 from engine_agent.status import AgentStatus, PassTimings
+from store.catchup import CatchUpPlan
 from store.errors import StoreError
 from store.store import Store
 from store.tensors import RawTensor
@@ -76,6 +79,8 @@ class Reconciler:
         retry_max_s: float = 30.0,
         follow_control_plane: bool = False,
         on_change: Callable[[], Awaitable[None]] | None = None,
+        fetch: PeerFetch | None = None,
+        on_commit: Callable[[int], None] | None = None,
     ) -> None:
         self.engine = engine
         self.gate = gate
@@ -91,6 +96,12 @@ class Reconciler:
         self.retry_max_s = retry_max_s
         self.follow_control_plane = follow_control_plane
         self.on_change = on_change
+        # Peer-assisted fetch: the sources tried before the store (None: the store only).
+        self.fetch = fetch
+        self.on_commit = on_commit
+        # The versions the running pass downloads: None before it has planned (or when no
+        # pass runs), empty after it failed. Peers wait only for files it will fetch.
+        self.fetching: frozenset[int] | None = None
         self.assigned: int | None = None
         # False while no control plane answers: the store pointer is the target meanwhile.
         self.control_plane_reachable = True
@@ -213,6 +224,9 @@ class Reconciler:
             raise
         self._canonical, self._canonical_version = tensors, staged.version
         self.stager.prune({staged.version})
+        self.fetching = None
+        if self.on_commit is not None:
+            self.on_commit(staged.version)
         timings.committed = staged.version
         timings.outcome = "committed"
         timings.finished_at = time.time()
@@ -244,6 +258,12 @@ class Reconciler:
 
         if have is None or tensors is None:
             have, tensors = None, None
+        sources = await self.fetch.sources(target) if self.fetch is not None else None
+        self.fetching = None
+
+        def planned(plan: CatchUpPlan) -> None:
+            self.fetching = frozenset(plan.downloads)
+
         try:
             try:
                 canonical = await asyncio.to_thread(
@@ -253,6 +273,8 @@ class Reconciler:
                     base=tensors,
                     have=have,
                     progress=progress,
+                    sources=sources,
+                    on_plan=planned,
                 )
             except StoreError as exc:
                 if have is None:
@@ -263,13 +285,24 @@ class Reconciler:
                     "run %s: catch-up from v%s failed (%s); from anchor", self.run_id, have, exc
                 )
                 canonical = await asyncio.to_thread(
-                    self.store.materialize, self.run_id, target, progress=progress
+                    functools.partial(
+                        self.store.materialize,
+                        self.run_id,
+                        target,
+                        progress=progress,
+                        sources=sources,
+                        on_plan=planned,
+                    )
                 )
         except StoreError as exc:
+            self.fetching = frozenset()
             raise StageFailed(
                 f"v{target} of run {self.run_id} could not be materialized from "
                 f"{self.store.url}: {type(exc).__name__}: {exc}"
             ) from exc
+        finally:
+            if self.fetch is not None and sources is not None:
+                await self.fetch.finished(sources, timings)
         timings.fetch_s += fetched_at - started
         timings.fold_verify_s += time.perf_counter() - fetched_at
         staged = await asyncio.to_thread(self.stager.stage, target, canonical)

@@ -68,6 +68,23 @@ class AgentSettings(BaseSettings):
     retry_initial_s: float = Field(default=1.0, gt=0)
     retry_max_s: float = Field(default=30.0, gt=0)
     log_level: str = "info"
+    # Peer-assisted fetch (docs/peers.md): with a control plane, fetch version files from
+    # the peers its fetch plan names (verified against the store's digests) before the
+    # store, and serve the files this agent holds to peers (engine role required).
+    peer_fetch: bool = True
+    # How long a peer may hold a request for a file it is still fetching itself, and how
+    # long a transfer may deliver nothing before the peer counts as stalled.
+    peer_wait_s: float = Field(default=30.0, ge=0)
+    peer_stall_s: float = Field(default=5.0, gt=0)
+    # Serving: concurrent uploads, their shared bandwidth (bytes/s, 0: unlimited), and how
+    # many versions back from the applied one the fetched files are kept to serve.
+    peer_upload_slots: int = Field(default=8, ge=1)
+    peer_upload_bytes_per_s: float = Field(default=0.0, ge=0)
+    peer_keep_versions: int = Field(default=4, ge=1)
+    # Other places that hold the store's files under the same keys, tried after the peers
+    # and before the store, verified the same way: http(s):// base URLs (an HTTP cache, a
+    # Dragonfly or Kraken proxy) or store URLs of a mirror (s3://..., a folder).
+    fetch_sources: list[str] = Field(default_factory=list)
 
     @field_validator("engine_url", "advertise_url")
     @classmethod
@@ -88,6 +105,14 @@ class AgentSettings(BaseSettings):
     def control_planes(self) -> list[str]:
         """Every control-plane URL given, in the order the agent tries them."""
         return self.control_plane.split(",") if self.control_plane else []
+
+    @field_validator("fetch_sources", mode="before")
+    @classmethod
+    def _fetch_sources(cls, value: object) -> object:
+        """Accept comma-separated URLs (an environment variable) as well as a list."""
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
 
     @field_validator("labels", mode="before")
     @classmethod

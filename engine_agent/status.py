@@ -35,6 +35,8 @@ class PassTimings:
     drain_s: float = 0.0
     pause_s: float = 0.0
     commit_s: float = 0.0
+    # Version-file bytes this pass took, by source ("store", "peer", "http", "objects").
+    bytes_from: dict[str, int] = field(default_factory=dict)
     restaged_for: int | None = None
     committed: int | None = None  # the version this pass put on the engine (after a restage: newer)
     outcome: str = "running"
@@ -59,6 +61,14 @@ class AgentStatus:
     # Failed reconcile passes by error type (StageFailed, StoreError, EngineUnreachable...).
     failures: Counter[str] = field(default_factory=Counter)
     started_at: float = field(default_factory=time.time)
+    # Peer-assisted fetch: version-file bytes taken by source, sources dropped by reason
+    # (`digest`, `size`, `stall`, `error`, `unavailable`), bytes received from a source and
+    # thrown away unverified, and what this agent served to its peers.
+    fetched_bytes: Counter[str] = field(default_factory=Counter)
+    source_faults: Counter[str] = field(default_factory=Counter)
+    rejected_bytes: int = 0
+    served_bytes: int = 0
+    served_files: int = 0
 
     @property
     def sync_state(self) -> SyncState:

@@ -5,7 +5,9 @@ the store the first time it is asked for. With a cache folder, each fetched file
 there beside a sidecar holding its size and xxh3-128 digest; a cached file is used only if
 it still matches both (a damaged cache entry is dropped and fetched again). Versions are
 immutable, so a verified cache entry never goes stale. Safetensors headers can be read with
-two small ranged reads instead of fetching a whole shard. This module never writes to the
+two small ranged reads instead of fetching a whole shard. With a `SourcedFetch` and the
+digests the store recorded, a file missing from the cache is first asked of the other fetch
+sources (peers, a distributor) and only then of the store. This module never writes to the
 store.
 """
 
@@ -15,7 +17,7 @@ import logging
 import os
 import struct
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,7 @@ from store.errors import CorruptPayload, VersionNotFound
 from store.layout import version_file_key
 from store.objects import ObjectStore
 from store.safetensors_io import read_header
+from store.sources.sourced_fetch import FileDigest, SourcedFetch
 from store.types import VersionRef
 
 log = logging.getLogger(__name__)
@@ -38,6 +41,9 @@ class FileCache:
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root).expanduser().absolute()
+        # Called with the key once a file is saved (from the saving thread): a peer server
+        # waiting for that file answers then.
+        self.on_saved: Callable[[str], None] | None = None
 
     def _paths(self, key: str) -> tuple[Path, Path]:
         path = self.root / key
@@ -67,6 +73,14 @@ class FileCache:
             temp = target.with_name(f".{target.name}.{uuid.uuid4().hex}")
             temp.write_bytes(content if isinstance(content, bytes) else content.encode())
             os.replace(temp, target)
+        if self.on_saved is not None:
+            self.on_saved(key)
+
+    def path(self, key: str) -> Path | None:
+        """Where the verified copy of `key` lies, if the cache holds one (its sidecar, written
+        after the bytes, vouches for it)."""
+        path, sidecar = self._paths(key)
+        return path if sidecar.exists() and path.exists() else None
 
     def has(self, key: str) -> bool:
         return self._paths(key)[1].exists()
@@ -81,12 +95,18 @@ class VersionFiles(Mapping[str, bytes]):
         ref: VersionRef,
         sizes: Mapping[str, int],
         cache: FileCache | None = None,
+        sources: SourcedFetch | None = None,
+        digests: Mapping[str, FileDigest] | None = None,
     ) -> None:
         self.objects = objects
         self.ref = ref
         self.sizes = dict(sizes)
         self.cache = cache
+        self.sources = sources
+        # Only files whose digest the store recorded may come from another source.
+        self.digests = dict(digests or {})
         self._memo: dict[str, bytes] = {}
+        # Bytes read from the origin store (other sources count theirs in `sources`).
         self.bytes_fetched = 0
 
     def __getitem__(self, name: str) -> bytes:
@@ -99,12 +119,20 @@ class VersionFiles(Mapping[str, bytes]):
         if data is None:
             data = self._fetch(key, name)
             if self.cache:
-                self.cache.save(key, data)
+                try:
+                    self.cache.save(key, data)
+                except OSError as exc:  # a cache that cannot write never fails a read
+                    log.warning("could not keep %s in the cache %s: %s", key, self.cache.root, exc)
         if len(data) <= _MEMO_LIMIT:
             self._memo[name] = data
         return data
 
     def _fetch(self, key: str, name: str) -> bytes:
+        expected = self.digests.get(name)
+        if self.sources is not None and expected is not None and expected.size == self.sizes[name]:
+            data = self.sources.fetch(key, expected)
+            if data is not None:
+                return data
         try:
             data = self.objects.get(key)
         except FileNotFoundError:
@@ -118,6 +146,8 @@ class VersionFiles(Mapping[str, bytes]):
                 f"{len(data)}; the object changed or the transfer was cut, fetch it again"
             )
         self.bytes_fetched += len(data)
+        if self.sources is not None:
+            self.sources.count_origin(len(data))
         return data
 
     def fetch_all(self) -> int:

@@ -60,6 +60,7 @@ from store.pointer import READ_NOW, Expected, Pointer
 from store.retention import GcReport, versions_to_keep
 from store.run_metadata import RunMetadata
 from store.safetensors_io import load as load_safetensors
+from store.sources.sourced_fetch import FileDigest, SourcedFetch
 from store.tensors import RawTensor
 from store.types import (
     VersionKind,
@@ -411,11 +412,14 @@ class Store:
 
     # ---- read side --------------------------------------------------------------------
 
-    def open_version(self, ref: VersionRef) -> VersionFiles:
+    def open_version(self, ref: VersionRef, sources: SourcedFetch | None = None) -> VersionFiles:
         """The version's files as a lazy `Mapping[str, bytes]` (index and shards).
 
         Files are fetched on first access and, with a `cache_dir`, kept there verified.
         `VersionFiles.header(name)` reads a shard's safetensors header by ranged reads.
+        With `sources`, a shard is asked of them first and used only if it matches the size
+        and digest the version's claim records in this store (a version without a claim,
+        e.g. one Stitch wrote, is read from this store only).
         """
         info = self._version_info(ref)
         if not info.complete:
@@ -423,7 +427,26 @@ class Store:
                 f"{ref.identity} is not a complete version in {self.url} (complete versions: "
                 f"{self.list_versions(ref.run_id)}); pick one of those"
             )
-        return VersionFiles(self.objects, ref, info.version_files, self.cache)
+        digests = self.file_digests(ref) if sources is not None and sources.sources else None
+        return VersionFiles(self.objects, ref, info.version_files, self.cache, sources, digests)
+
+    def file_digests(self, ref: VersionRef) -> dict[str, FileDigest]:
+        """Each file's size and xxh3-128 digest as the version's claim records them
+        (empty when the version has no readable claim)."""
+        try:
+            claim = json.loads(self.objects.get(version_file_key(ref, CLAIM_FILENAME)))
+        except FileNotFoundError:
+            return {}
+        except ValueError:
+            log.warning("%s has an unreadable claim; reading it from %s only", ref, self.url)
+            return {}
+        digests = {}
+        for name, entry in claim.items() if isinstance(claim, dict) else ():
+            if isinstance(entry, list) and len(entry) == 2:
+                size, digest = entry
+                if isinstance(size, int) and isinstance(digest, str):
+                    digests[name] = FileDigest(size, digest)
+        return digests
 
     def plan_catch_up(self, run_id: str, target: int, have: int | None = None) -> CatchUpPlan:
         """Versions to fetch to reach `target`: from `have` if its chain leads there, else
@@ -446,12 +469,15 @@ class Store:
         base: Mapping[str, RawTensor] | None = None,
         have: int | None = None,
         progress: Progress | None = None,
+        sources: SourcedFetch | None = None,
+        on_plan: Callable[[CatchUpPlan], None] | None = None,
     ) -> dict[str, RawTensor]:
         """The canonical tensors of version `target`, every target checksum verified.
 
         With `base` (the tensors of version `have`, which the caller holds) the fold starts
         from it when its chain reaches `target`; otherwise from the nearest FULL anchor.
-        `base` is never modified.
+        `base` is never modified. `sources`: other places to fetch files from before this
+        store (see `open_version`). `on_plan` hears the plan before any byte is fetched.
         """
         from store.codecs import decode_version, fold
 
@@ -461,10 +487,12 @@ class Store:
                 f"(got base={'given' if base is not None else None}, have={have!r})"
             )
         plan = self.plan_catch_up(run_id, target, have)
+        if on_plan is not None:
+            on_plan(plan)
         total = len(plan.downloads) + 1
         fetched: list[VersionFiles] = []
         for done, version in enumerate(plan.downloads):
-            files = self.open_version(VersionRef(run_id, version))
+            files = self.open_version(VersionRef(run_id, version), sources)
             files.fetch_all()
             fetched.append(files)
             if progress:

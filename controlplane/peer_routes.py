@@ -1,0 +1,81 @@
+"""The control plane's routes for peer-assisted fetch (docs/peers.md).
+
+- `GET /v1/engines/{engine_id}/fetch-plan?version=V` (engine role): the peers this engine
+  should ask for the files of version V, nearest first; the store comes after them.
+- `POST /v1/engines/{engine_id}/peer-reports` (engine role): a peer served bad bytes,
+  failed or stalled; it is left out of plans for `peer_suspect_s` and counted.
+- `GET /v1/tokens/self` (any role): the caller's role, so an agent can check that a peer
+  asking for files holds an engine token without a database of its own.
+
+Plans are computed from the in-memory fleet snapshot (`controlplane/fetch_plan.py`); these
+routes never touch the store and never log a token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from fastapi import Depends, FastAPI, Query
+from fastapi.responses import Response
+
+from controlplane.auth import ANY_ROLE, ENGINE
+from controlplane.errors import EngineUnknown
+from controlplane.fetch_plan import plan_fetch
+from controlplane.services import Services
+from wire import MAX_INT, Role
+from wire.peers import FetchPlan, PeerReport, TokenIdentity
+
+RoleDependency = Callable[[frozenset[Role]], Callable[..., Coroutine[Any, Any, Role]]]
+
+
+def install(app: FastAPI, cp: Services, role: RoleDependency) -> None:
+    """Add the peer-fetch routes to `app`."""
+    settings = cp.settings
+
+    async def run_of(engine_id: str) -> str:
+        engine = cp.fleet.snapshot.engines.get(engine_id)
+        if engine is not None:
+            return engine.run_id
+        rows = await asyncio.to_thread(cp.registry.rows, engine_id)
+        if not rows:
+            raise EngineUnknown(
+                f"engine {engine_id!r} is not registered or its lease lapsed: register again"
+            )
+        return str(rows[0].run_id)
+
+    @app.get("/v1/engines/{engine_id}/fetch-plan", response_model=FetchPlan, tags=["engines"])
+    async def fetch_plan(
+        engine_id: str,
+        version: int = Query(ge=0, le=MAX_INT, description="the version being fetched"),
+        _: Role = Depends(role(ENGINE)),
+    ) -> FetchPlan:
+        """Peers to fetch `version`'s files from, nearest first; then the store."""
+        run_id = await run_of(engine_id)
+        plan = plan_fetch(
+            cp.fleet.snapshot,
+            engine_id,
+            run_id,
+            version,
+            fanout=settings.peer_fanout,
+            plan_size=settings.peer_plan_size,
+            suspects=cp.suspects.current(),
+        )
+        cp.metrics.fetch_plans.labels("yes" if plan.peers else "no").inc()
+        return plan
+
+    @app.post("/v1/engines/{engine_id}/peer-reports", status_code=204, tags=["engines"])
+    async def report_peer(
+        engine_id: str, body: PeerReport, _: Role = Depends(role(ENGINE))
+    ) -> Response:
+        """A peer misbehaved while this engine fetched from it: leave it out for a while."""
+        await run_of(engine_id)
+        cp.suspects.report(engine_id, body)
+        cp.metrics.peer_reports.labels(body.reason).inc()
+        return Response(status_code=204)
+
+    @app.get("/v1/tokens/self", response_model=TokenIdentity, tags=["auth"])
+    async def token_self(found: Role = Depends(role(ANY_ROLE))) -> TokenIdentity:
+        """The role of the calling token (401 for an unknown one)."""
+        return TokenIdentity(role=found)

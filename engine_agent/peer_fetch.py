@@ -1,0 +1,133 @@
+"""The fetch side of peer-assisted fetch: the sources one catch-up reads before the store.
+
+For each staging pass the reconciler asks `PeerFetch.sources(version)`: the control
+plane's fetch plan (peers, nearest first), then the configured fetch sources (an HTTP cache
+or P2P distributor, an object-store mirror); the store always comes last (`Store.materialize`
+reads it when no source delivers). After the pass, `finished` counts where the bytes came
+from and reports every peer that served bad bytes, failed or stalled to the control plane.
+Verification itself belongs to the store (`store.sources.SourcedFetch`); this module must
+never accept bytes on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+from engine_agent.control_client import ControlClient
+from engine_agent.errors import AgentError
+from engine_agent.status import AgentStatus, PassTimings
+from store.sources import FetchSource, HttpSource, ObjectSource, SourcedFetch
+from wire.peers import PEER_FILES_PATH, PeerReport
+
+log = logging.getLogger(__name__)
+
+_REGISTRATION_WAIT_S = 5.0
+# Faults worth the control plane's attention; a busy peer (503) is not one.
+_REPORTED = frozenset({"digest", "size", "stall", "error"})
+
+
+def open_source(url: str, token: str | None = None, stall_s: float = 5.0) -> FetchSource:
+    """A configured fetch source: an http(s):// base URL or a store URL of a mirror."""
+    if url.startswith(("http://", "https://")):
+        return HttpSource(url, token=token, kind="http", stall_s=stall_s)
+    return ObjectSource.open(url)
+
+
+class PeerFetch:
+    """Builds each pass's `SourcedFetch` and accounts for it afterwards."""
+
+    def __init__(
+        self,
+        *,
+        control: ControlClient | None,
+        engine_id: Callable[[], str | None],
+        registered: asyncio.Event | None = None,
+        own_url: str,
+        token: str | None,
+        status: AgentStatus,
+        configured: list[str],
+        peers: bool = True,
+        wait_s: float = 30.0,
+        stall_s: float = 5.0,
+    ) -> None:
+        self.control = control
+        self.engine_id = engine_id
+        self.registered = registered
+        self.own_url = own_url
+        self.token = token
+        self.status = status
+        self.configured = configured
+        self.peers = peers
+        self.wait_s = wait_s
+        self.stall_s = stall_s
+
+    async def sources(self, version: int) -> SourcedFetch:
+        """The sources to try for `version`'s files, in order (possibly none)."""
+        found: list[FetchSource] = []
+        if self.peers and self.engine_id() is None and self.registered is not None:
+            # A new agent's first catch-up starts beside its registration: give that a
+            # moment, the plan needs the engine's id.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_REGISTRATION_WAIT_S):
+                    await self.registered.wait()
+        engine_id = self.engine_id()
+        if self.peers and self.control is not None and engine_id is not None:
+            try:
+                plan = await self.control.fetch_plan(engine_id, version)
+            except AgentError as exc:
+                log.info("no fetch plan for v%d (%s); fetching from the store", version, exc)
+            else:
+                found += [
+                    HttpSource(
+                        peer.url + PEER_FILES_PATH,
+                        token=self.token,
+                        kind="peer",
+                        wait_s=self.wait_s,
+                        stall_s=self.stall_s,
+                    )
+                    for peer in plan.peers
+                    if peer.url != self.own_url
+                ]
+                if plan.peers:
+                    log.info(
+                        "v%d: fetch plan %s, then the store",
+                        version,
+                        [peer.url for peer in plan.peers],
+                    )
+        found += [open_source(url, stall_s=self.stall_s) for url in self.configured]
+        return SourcedFetch(found)
+
+    async def finished(self, sourced: SourcedFetch, timings: PassTimings) -> None:
+        """Count the pass's bytes by source and report the peers that misbehaved."""
+        for kind, size in sourced.bytes_from.items():
+            timings.bytes_from[kind] = timings.bytes_from.get(kind, 0) + size
+            self.status.fetched_bytes[kind] += size
+        self.status.rejected_bytes += sourced.bytes_rejected
+        engine_id = self.engine_id()
+        for fault in sourced.faults:
+            self.status.source_faults[fault.reason] += 1
+            if (
+                fault.source.kind != "peer"
+                or fault.reason not in _REPORTED
+                or self.control is None
+                or engine_id is None
+            ):
+                continue
+            peer_url = fault.source.location.removesuffix(PEER_FILES_PATH)
+            try:
+                await self.control.report_peer(
+                    engine_id,
+                    PeerReport(
+                        peer_url=peer_url,
+                        reason=fault.reason,
+                        key=fault.key[:1000],
+                        version=timings.target,
+                        message=fault.message[:2000],
+                    ),
+                )
+            except AgentError as exc:
+                log.warning("could not report peer %s: %s", peer_url, exc)
+        sourced.close()

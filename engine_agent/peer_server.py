@@ -1,0 +1,261 @@
+"""Serving the version files this agent holds to its peers (docs/peers.md).
+
+`GET /v1/peer/files/{key}` answers the verified copy of a store key from the agent's file
+cache (what its catch-ups fetched), with single-range reads (`Range: bytes=a-b`). Callers
+must hold an engine (or admin) token, checked with the control plane and remembered for a
+short while. A file the agent is still fetching itself (its version lies between the
+applied version and its target) is waited for, at most as long as the caller allows
+(`X-Tether-Peer-Wait`) and the agent's own `peer_wait_s`; otherwise a missing file is 404
+at once. Uploads are bounded: `upload_slots` at a time (503 past that) sharing
+`upload_bytes_per_s`. Old versions are pruned from the cache after each commit.
+
+Must never serve anything but complete, verified version files of its own run (no claim,
+no pointer, no path outside the cache), never change weights and never log a token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import re
+import shutil
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+
+from engine_agent.status import AgentStatus
+from store.cache import FileCache
+from store.errors import InvalidName
+from store.layout import CLAIM_FILENAME, validate_file_name
+from store.sources.http import WAIT_HEADER
+from store.types import parse_version_dir_name
+from wire import ErrorBody, ErrorDetail, Role
+from wire.peers import PEER_FILES_PATH
+
+log = logging.getLogger(__name__)
+
+_CHUNK = 256 * 1024
+_RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
+# How long a token's role, as the control plane answered it, is trusted.
+_ROLE_CACHE_S = 30.0
+_PEER_ROLES = frozenset({Role.ENGINE, Role.ADMIN})
+
+# authorization header -> the token's role (None: unknown token).
+RoleLookup = Callable[[str], Awaitable[Role | None]]
+
+
+def _error(status: int, kind: str, message: str, retry_after: int | None = None) -> Response:
+    body = ErrorBody(error=ErrorDetail(type=kind, message=message)).model_dump_json()
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    return Response(body, status_code=status, media_type="application/json", headers=headers)
+
+
+class UploadLimiter:
+    """Paces the bytes of every upload together to `bytes_per_s` (0: no limit)."""
+
+    def __init__(self, bytes_per_s: float) -> None:
+        self.bytes_per_s = bytes_per_s
+        self._next = 0.0
+
+    async def take(self, size: int) -> None:
+        if self.bytes_per_s <= 0:
+            return
+        now = time.monotonic()
+        start = max(now, self._next)
+        self._next = start + size / self.bytes_per_s
+        if start > now:
+            await asyncio.sleep(start - now)
+
+
+class PeerServer:
+    """The peer file route of one agent; `install(app)` before the proxy's catch-all."""
+
+    def __init__(
+        self,
+        *,
+        cache: FileCache,
+        run_id: str,
+        status: AgentStatus,
+        role_of: RoleLookup,
+        expecting: Callable[[int], bool],
+        max_wait_s: float = 30.0,
+        upload_slots: int = 8,
+        upload_bytes_per_s: float = 0.0,
+    ) -> None:
+        self.cache = cache
+        self.run_id = run_id
+        self.status = status
+        self.role_of = role_of
+        self.expecting = expecting
+        self.max_wait_s = max_wait_s
+        self.slots = asyncio.Semaphore(upload_slots)
+        self.limiter = UploadLimiter(upload_bytes_per_s)
+        self._roles: dict[str, tuple[Role | None, float]] = {}
+        self._waiters: dict[str, list[asyncio.Future[None]]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        cache.on_saved = self._saved_from_thread
+
+    def install(self, app: FastAPI) -> None:
+        app.add_api_route(
+            PEER_FILES_PATH + "/{key:path}", self.serve, methods=["GET"], name="peer files"
+        )
+
+    # ---- auth ----------------------------------------------------------------------------
+
+    async def _allowed(self, authorization: str | None) -> Response | None:
+        """None if the caller may fetch files, else the 401/403/503 to answer."""
+        if not authorization or not authorization.lower().startswith("bearer "):
+            return _error(401, "Unauthorized", "send 'Authorization: Bearer <engine token>'")
+        digest = hashlib.sha256(authorization.encode()).hexdigest()
+        entry = self._roles.get(digest)
+        if entry is None or entry[1] < time.monotonic():
+            try:
+                found = await self.role_of(authorization)
+            except Exception as exc:  # no control plane answers: cannot check, so refuse
+                log.warning("peer token check failed: %s", type(exc).__name__)
+                return _error(503, "ControlPlaneUnavailable", "cannot check the token now", 1)
+            if len(self._roles) > 10_000:
+                self._roles.clear()
+            entry = (found, time.monotonic() + _ROLE_CACHE_S)
+            self._roles[digest] = entry
+        role = entry[0]
+        if role is None:
+            return _error(401, "Unauthorized", "unknown bearer token")
+        if role not in _PEER_ROLES:
+            return _error(403, "Forbidden", f"a {role.value} token may not fetch peer files")
+        return None
+
+    # ---- files ---------------------------------------------------------------------------
+
+    def _version_of(self, key: str) -> int:
+        """The version of a servable key `<run>/updates/weight_vNNNNNN/<file>`, else
+        `InvalidName`."""
+        parts = key.split("/")
+        if len(parts) != 4 or parts[0] != self.run_id or parts[1] != "updates":
+            raise InvalidName(f"{key!r} is not a version file of run {self.run_id!r}")
+        version = parse_version_dir_name(parts[2])
+        if validate_file_name(parts[3]) == CLAIM_FILENAME:
+            raise InvalidName("the claim is read from the store, never from a peer")
+        return version
+
+    def _saved_from_thread(self, key: str) -> None:
+        if self._loop is not None and key in self._waiters:
+            self._loop.call_soon_threadsafe(self._saved, key)
+
+    def _saved(self, key: str) -> None:
+        for waiter in self._waiters.pop(key, []):
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def _wait_for(self, key: str, version: int, wait_s: float) -> Path | None:
+        """The cached file of `key`, waiting up to `wait_s` while this agent fetches it."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            path = self.cache.path(key)
+            left = deadline - time.monotonic()
+            if path is not None or left <= 0 or not self.expecting(version):
+                return path
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.setdefault(key, []).append(waiter)
+            # Re-check after registering: the file may have landed in between.
+            if self.cache.path(key) is not None:
+                continue
+            # Bounded slices: the agent may stop expecting the file (a failed pass).
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(waiter, min(left, 1.0))
+
+    async def serve(self, request: Request, key: str) -> Response:
+        refused = await self._allowed(request.headers.get("authorization"))
+        if refused is not None:
+            return refused
+        try:
+            version = self._version_of(key)
+        except InvalidName as exc:
+            return _error(404, "NotFound", str(exc))
+        self._loop = asyncio.get_running_loop()
+        try:
+            asked = float(request.headers.get(WAIT_HEADER, "0"))
+        except ValueError:
+            asked = 0.0
+        path = await self._wait_for(key, version, max(0.0, min(asked, self.max_wait_s)))
+        if path is None:
+            return _error(404, "NotFound", f"this agent holds no verified copy of {key}")
+        try:
+            await asyncio.wait_for(self.slots.acquire(), 1.0)
+        except TimeoutError:
+            return _error(503, "PeerBusy", "every upload slot is taken; ask another source", 1)
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:  # pruned meanwhile
+            self.slots.release()
+            return _error(404, "NotFound", f"{key} was pruned")
+        start, end, status = 0, size, 200
+        wanted = request.headers.get("range")
+        if wanted:
+            span = _parse_range(wanted, size)
+            if span is None:
+                self.slots.release()
+                return Response(status_code=416, headers={"Content-Range": f"bytes */{size}"})
+            start, end, status = span[0], span[1], 206
+        headers = {"Content-Length": str(end - start), "Accept-Ranges": "bytes"}
+        if status == 206:
+            headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
+        return StreamingResponse(
+            self._stream(path, start, end),
+            status_code=status,
+            headers=headers,
+            media_type="application/octet-stream",
+        )
+
+    async def _stream(self, path: Path, start: int, end: int) -> AsyncIterator[bytes]:
+        try:
+            with path.open("rb") as handle:
+                handle.seek(start)
+                left = end - start
+                while left > 0:
+                    chunk = await asyncio.to_thread(handle.read, min(_CHUNK, left))
+                    if not chunk:
+                        break
+                    await self.limiter.take(len(chunk))
+                    left -= len(chunk)
+                    self.status.served_bytes += len(chunk)
+                    yield chunk
+            self.status.served_files += 1
+        finally:
+            self.slots.release()
+
+    # ---- retention -----------------------------------------------------------------------
+
+    def prune(self, applied: int, keep_versions: int) -> None:
+        """Drop cached files of versions more than `keep_versions` - 1 below `applied`."""
+        updates = self.cache.root / self.run_id / "updates"
+        if not updates.is_dir():
+            return
+        for folder in updates.iterdir():
+            try:
+                version = parse_version_dir_name(folder.name)
+            except InvalidName:
+                continue
+            if version <= applied - keep_versions:
+                shutil.rmtree(folder, ignore_errors=True)
+
+
+def _parse_range(header: str, size: int) -> tuple[int, int] | None:
+    """[start, end) of a single `bytes=a-b` / `bytes=a-` / `bytes=-n` range, else None."""
+    match = _RANGE.match(header.strip())
+    if match is None:
+        return None
+    first, last = match.groups()
+    if first == "" and last == "":
+        return None
+    if first == "":
+        length = int(last)
+        return (max(0, size - length), size) if length > 0 else None
+    start = int(first)
+    end = min(int(last) + 1, size) if last else size
+    return (start, end) if start < end else None

@@ -1,0 +1,111 @@
+"""`SourcedFetch`: a file from the first source whose bytes match the store's digest.
+
+The digests come from the origin store (a version's `.tether-claim`, written before any of
+its bytes, holds each file's size and xxh3-128 digest), never from a source, so a source
+can slow a catch-up but never corrupt it: bytes that do not match are thrown away before
+anything decodes them. A source that serves wrong bytes, fails or stalls is dropped for the
+rest of this fetch and reported through `on_fault`; a miss (404) is not a fault. When no
+source delivers, the caller reads the origin as it always did. Never writes anything.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from store.checksum import tensor_checksum
+from store.sources.base import FetchSource, SourceFailed
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FileDigest:
+    """What the origin store recorded for one file: its size and xxh3-128 digest."""
+
+    size: int
+    digest: str
+
+
+@dataclass(frozen=True)
+class SourceFault:
+    """A source dropped during a fetch: which, for which key, why (`digest`, `size`,
+    `stall`, `error`, `unavailable`) and the message."""
+
+    source: FetchSource
+    key: str
+    reason: str
+    message: str
+
+
+class SourcedFetch:
+    """Tries `sources` in order for each file; keeps using those that behave."""
+
+    def __init__(
+        self,
+        sources: Iterable[FetchSource],
+        on_fault: Callable[[SourceFault], None] | None = None,
+    ) -> None:
+        self.sources = list(sources)
+        self.on_fault = on_fault
+        self.faults: list[SourceFault] = []
+        # Bytes used, by source kind ("peer", "http", ... and "store" for the origin).
+        self.bytes_from: Counter[str] = Counter()
+        # Bytes received and thrown away because they did not match the digest.
+        self.bytes_rejected = 0
+
+    def fetch(self, key: str, expected: FileDigest) -> bytes | None:
+        """The bytes of `key` from the first source that delivers them intact, or None."""
+        for source in list(self.sources):
+            try:
+                data = source.fetch(key, expected.size)
+            except FileNotFoundError:
+                continue
+            except SourceFailed as exc:
+                self._drop(source, key, exc.reason, str(exc))
+                continue
+            if len(data) != expected.size:
+                self.bytes_rejected += len(data)
+                self._drop(
+                    source,
+                    key,
+                    "size",
+                    f"{source.location} served {len(data)} bytes for {key}, the store "
+                    f"records {expected.size}",
+                )
+                continue
+            digest = tensor_checksum(data)
+            if digest != expected.digest:
+                self.bytes_rejected += len(data)
+                self._drop(
+                    source,
+                    key,
+                    "digest",
+                    f"{source.location} served bytes of {key} with digest {digest}, the store "
+                    f"records {expected.digest}",
+                )
+                continue
+            self.bytes_from[source.kind] += len(data)
+            return data
+        return None
+
+    def count_origin(self, size: int) -> None:
+        """Bytes the reader took from the origin store (when no source delivered)."""
+        self.bytes_from["store"] += size
+
+    def _drop(self, source: FetchSource, key: str, reason: str, message: str) -> None:
+        if source in self.sources:
+            self.sources.remove(source)
+        fault = SourceFault(source, key, reason, message)
+        self.faults.append(fault)
+        log.warning("dropped fetch source %s (%s): %s", source.location, reason, message)
+        if self.on_fault is not None:
+            self.on_fault(fault)
+
+    def close(self) -> None:
+        for source in self.sources:
+            source.close()
+        for fault in self.faults:
+            fault.source.close()

@@ -1,0 +1,88 @@
+"""Fetch plans: the control plane arranges the engines catching up to a version into a tree
+over the peers that hold it, so the store serves each file about once per version."""
+
+from __future__ import annotations
+
+import time
+
+from controlplane.fetch_plan import Suspects, plan_fetch
+from controlplane.snapshot import EngineView, FleetSnapshot, RunView
+from wire import Precision, SyncState, TargetPolicy
+from wire.peers import PeerReport
+
+RUN = "run-a"
+
+
+def engine(engine_id: str, applied: int | None, state: SyncState = SyncState.READY) -> EngineView:
+    return EngineView(
+        engine_id=engine_id,
+        run_id=RUN,
+        url=f"http://127.0.0.1:9/{engine_id}",
+        precision=Precision.BF16,
+        capacity=1,
+        applied_version=applied,
+        sync_state=state,
+        in_flight=0,
+        staging_target=None,
+        staging_progress=0.0,
+        staging_started_at=None,
+        lease_expires_at=time.time() + 60,
+    )
+
+
+def snapshot(engines: list[EngineView], latest: int) -> FleetSnapshot:
+    run = RunView(RUN, latest, time.time(), TargetPolicy())
+    return FleetSnapshot.build(time.time(), engines, [run], {})
+
+
+def plans(snap: FleetSnapshot, version: int, fanout: int = 2, size: int = 3) -> dict[str, list]:
+    return {
+        e: [p.engine_id for p in plan_fetch(
+            snap, e, RUN, version, fanout=fanout, plan_size=size
+        ).peers]
+        for e in snap.engines
+        if (snap.engines[e].applied_version or -1) < version
+    }  # fmt: skip
+
+
+def test_a_single_engine_fetches_from_the_store_only() -> None:
+    snap = snapshot([engine("e0", 1)], latest=2)
+    assert plans(snap, 2) == {"e0": []}
+
+
+def test_engines_catching_up_together_form_a_tree_with_one_root_on_the_store() -> None:
+    ids = [f"e{i:02d}" for i in range(15)]
+    snap = snapshot([engine(e, 1) for e in ids], latest=2)
+    found = plans(snap, 2, fanout=2, size=3)
+    roots = [e for e, peers in found.items() if not peers]
+    assert roots == ["e00"]  # the store serves each file once
+    for child, peers in found.items():
+        # Every peer named has a smaller id: no two engines ever wait on each other.
+        assert all(p < child for p in peers)
+    children: dict[str, int] = {}
+    for peers in found.values():
+        if peers:
+            children[peers[0]] = children.get(peers[0], 0) + 1
+    assert max(children.values()) <= 2  # the fan-out bounds each peer's uploads
+    assert found["e14"] == ["e06", "e02", "e00"]  # nearest ancestor first
+
+
+def test_engines_that_hold_the_version_come_before_those_still_fetching_it() -> None:
+    snap = snapshot([engine("z-holder", 2), engine("a", 1), engine("b", 1)], latest=2)
+    found = plans(snap, 2, fanout=1)
+    assert found["a"] == ["z-holder"]
+    assert found["b"] == ["a", "z-holder"]
+
+
+def test_engines_out_of_service_or_reported_are_never_named() -> None:
+    snap = snapshot([engine("a", 2, SyncState.ERROR), engine("b", 2), engine("c", 1)], latest=2)
+    suspects = Suspects(suspect_s=60)
+    suspects.report("c", PeerReport(peer_url=snap.engines["b"].url, reason="digest"))
+    plan = plan_fetch(snap, "c", RUN, 2, fanout=2, plan_size=3, suspects=suspects.current())
+    assert plan.peers == []
+    assert suspects.current(now=time.monotonic() + 61) == frozenset()
+
+
+def test_a_plan_size_of_zero_turns_peer_fetch_off() -> None:
+    snap = snapshot([engine("a", 2), engine("b", 1)], latest=2)
+    assert plan_fetch(snap, "b", RUN, 2, fanout=2, plan_size=0).peers == []

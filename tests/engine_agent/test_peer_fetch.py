@@ -1,0 +1,259 @@
+"""Peer-assisted fetch in a real fleet: a control plane, a folder store, reference engines
+with an agent beside each, all as processes on 127.0.0.1 (docs/peers.md).
+
+Agents A and B run throughout; agent C beside a third engine is started late, and again
+after each change to what its peers hold, so it always catches up from its peers. The
+store counts as read when an agent's pass says its bytes came from "store".
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from reference_engine.engine import weights_checksum
+from store.layout import CLAIM_FILENAME, version_file_key
+from store.types import VersionRef
+from tests.engine_agent.conftest import (
+    ControlPlaneProcess,
+    VersionChain,
+    launch_agent,
+    server_info,
+    wait_agent,
+    wait_applied,
+)
+from tests.fixtures.processes import ManagedProcess, stop_all, wait_until
+from tests.fixtures.reference_engine import (
+    ReferenceEngineProcess,
+    TinyCheckpoints,
+    launch_reference_engine,
+    wait_until_ready,
+)
+from wire.peers import PEER_FILES_PATH
+
+RUN = "peer-run"
+CATCH_UP_S = 90.0
+# C gives up on a silent peer quickly: the stall test needs no long wait.
+QUICK_PEERS = {"TETHER_AGENT_PEER_WAIT_S": "1", "TETHER_AGENT_PEER_STALL_S": "1"}
+
+
+@dataclass
+class PeerFleet:
+    root: Path
+    chain: VersionChain
+    cp: ControlPlaneProcess
+    engines: dict[str, ReferenceEngineProcess]
+    agents: dict[str, ManagedProcess]
+    boot: Path
+
+    def publish(self) -> int:
+        version = self.chain.publish("delta")
+        self.cp.notify(RUN, version)
+        return version
+
+    def version_bytes(self, version: int) -> int:
+        info = self.chain.store._version_info(VersionRef(RUN, version))
+        return sum(info.version_files.values())
+
+    def start_late_agent(self, *extra: str, env: dict[str, str] | None = None) -> ManagedProcess:
+        """(Re)start agent C from the boot checkpoint (v0), with a fresh work dir."""
+        old = self.agents.pop("c", None)
+        if old is not None:
+            old.stop()
+        runs = len(list(self.root.glob("c-work-*")))
+        agent = launch_agent(
+            f"agent-c{runs}", self.engines["c"].url, "bf16", self.root,
+            store_root=self.chain.store_root, run_id=RUN, boot_model=self.boot,
+            control_plane=self.cp, work_dir=self.root / f"c-work-{runs}",
+            extra=tuple(extra), env_overrides=env,
+        )  # fmt: skip
+        self.agents["c"] = agent
+        return wait_agent(agent)
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny: TinyCheckpoints, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PeerFleet]:
+    from tests.engine_agent.conftest import start_controlplane
+
+    root = tmp_path_factory.mktemp("peers")
+    engines = {
+        name: launch_reference_engine(tiny.bf16, root / f"engine-{name}.log") for name in "abc"
+    }
+    # Long leases: a peer stopped with SIGSTOP stays in plans while C tries it.
+    cp = start_controlplane(root, {"TETHER_LEASE_SECONDS": "60"})
+    chain = VersionChain(root / "store", RUN, tiny.bf16)
+    reply = cp.call("POST", "/v1/runs", "trainer", json={"run_id": RUN})
+    assert reply.status_code == 201, reply.text
+    cp.notify(RUN, 0)
+    agents: dict[str, ManagedProcess] = {}
+    try:
+        for name in "ab":
+            agents[name] = launch_agent(
+                f"agent-{name}", engines[name].url, "bf16", root,
+                store_root=chain.store_root, run_id=RUN, boot_model=tiny.bf16,
+                control_plane=cp,
+            )  # fmt: skip
+        for engine in engines.values():
+            wait_until_ready(engine)
+        for agent in agents.values():
+            wait_agent(agent)
+            wait_applied(agent, 0, CATCH_UP_S)
+        yield PeerFleet(root, chain, cp, engines, agents, tiny.bf16)
+    finally:
+        stop_all([*agents.values(), *engines.values(), cp.process])
+
+
+def pass_for(agent: ManagedProcess, version: int) -> dict:
+    passes = [p for p in server_info(agent)["passes"] if p["committed"] == version]
+    assert passes, f"{agent.name} has no pass that committed v{version}"
+    return passes[-1]
+
+
+def engine_checksum(engine: ReferenceEngineProcess) -> str:
+    reply = httpx.post(f"{engine.url}/weights_checker", json={"action": "checksum"}, timeout=30)
+    assert reply.status_code == 200, reply.text
+    return reply.json()["message"]
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_engines_catching_up_together_read_each_file_from_the_store_once(
+    fleet: PeerFleet,
+) -> None:
+    version = fleet.publish()
+    for agent in (fleet.agents["a"], fleet.agents["b"]):
+        wait_applied(agent, version, CATCH_UP_S)
+    sources = [pass_for(fleet.agents[n], version)["bytes_from"] for n in "ab"]
+    total = fleet.version_bytes(version)
+    assert sum(s.get("store", 0) for s in sources) == total
+    assert sum(s.get("peer", 0) for s in sources) == total
+    expected = weights_checksum(fleet.chain.torch_tensors(version))
+    assert engine_checksum(fleet.engines["a"]) == engine_checksum(fleet.engines["b"]) == expected
+
+
+def test_a_late_engine_catches_up_from_peers_while_the_store_cannot_serve_the_bytes(
+    fleet: PeerFleet,
+) -> None:
+    target = fleet.chain.latest
+    store_root = fleet.chain.store_root
+    # The store's shards turn to garbage of the same size (the index stays: it is how the
+    # catch-up is planned): a catch-up that read them would fail its checksums.
+    originals = {
+        path: path.read_bytes()
+        for v in range(1, target + 1)
+        for path in (store_root / RUN / "updates" / f"weight_v{v:06d}").glob("*.safetensors")
+    }
+    for path, data in originals.items():
+        path.write_bytes(bytes(len(data)))
+    try:
+        agent = fleet.start_late_agent()
+        wait_applied(agent, target, CATCH_UP_S)
+    finally:
+        for path, data in originals.items():
+            path.write_bytes(data)
+    assert pass_for(agent, target)["bytes_from"].get("store", 0) == 0
+    expected = weights_checksum(fleet.chain.torch_tensors(target))
+    assert engine_checksum(fleet.engines["c"]) == expected
+
+
+def test_a_peer_serving_corrupted_bytes_is_dropped_and_reported_and_none_of_its_bytes_used(
+    fleet: PeerFleet,
+) -> None:
+    version = fleet.publish()
+    for name in "ab":
+        wait_applied(fleet.agents[name], version, CATCH_UP_S)
+    # Every holder's verified copy of the new version is damaged after the fact.
+    for name in "ab":
+        for cached in (fleet.root / f"agent-{name}-work" / "peer-files").rglob("*.safetensors"):
+            if f"weight_v{version:06d}" in str(cached):
+                data = bytearray(cached.read_bytes())
+                data[-5] ^= 0xFF
+                cached.write_bytes(bytes(data))
+    reports_before = metric(fleet.cp.url, "tether_peer_reports_total")
+    agent = fleet.start_late_agent()
+    wait_applied(agent, version, CATCH_UP_S)
+    assert metric(agent.url or "", 'tether_agent_fetch_source_faults_total{reason="digest"}') >= 1
+    assert metric(agent.url or "", "tether_agent_fetch_rejected_bytes_total") > 0
+    assert pass_for(agent, version)["bytes_from"].get("store", 0) > 0
+    assert engine_checksum(fleet.engines["c"]) == weights_checksum(
+        fleet.chain.torch_tensors(version)
+    )
+    wait_until(
+        lambda: metric(fleet.cp.url, "tether_peer_reports_total") > reports_before,
+        30,
+        "the control plane to count the report",
+    )
+
+
+def test_a_stalled_peer_is_dropped_within_its_deadline_and_the_store_serves(
+    fleet: PeerFleet,
+) -> None:
+    version = fleet.publish()
+    for name in "ab":
+        wait_applied(fleet.agents[name], version, CATCH_UP_S)
+    holders = [fleet.agents[n] for n in "ab"]
+    for holder in holders:  # frozen: connections open, nothing ever answers
+        os.killpg(holder.process.pid, signal.SIGSTOP)
+    try:
+        agent = fleet.start_late_agent(env=QUICK_PEERS)
+        wait_applied(agent, version, CATCH_UP_S)
+        assert (
+            metric(agent.url or "", 'tether_agent_fetch_source_faults_total{reason="stall"}') >= 1
+        )
+    finally:
+        for holder in holders:
+            os.killpg(holder.process.pid, signal.SIGCONT)
+    # C started from its boot version: every delta since came from the store.
+    needed = sum(fleet.version_bytes(v) for v in range(1, version + 1))
+    assert pass_for(agent, version)["bytes_from"].get("store", 0) == needed
+
+
+def test_peer_files_need_an_engine_token_and_never_include_the_claim(fleet: PeerFleet) -> None:
+    version = fleet.chain.latest
+    agent_url = fleet.agents["a"].url or ""
+    key = version_file_key(VersionRef(RUN, version), "model.safetensors.index.json")
+
+    def get(key: str, role: str | None) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {fleet.cp.tokens[role]}"} if role else {}
+        return httpx.get(f"{agent_url}{PEER_FILES_PATH}/{key}", headers=headers, timeout=30)
+
+    assert get(key, None).status_code == 401
+    assert get(key, "client").status_code == 403
+    held = get(key, "engine")
+    assert held.status_code == 200
+    assert held.content == (fleet.chain.store_root / key).read_bytes()
+    ranged = httpx.get(
+        f"{agent_url}{PEER_FILES_PATH}/{key}",
+        headers={"Authorization": f"Bearer {fleet.cp.tokens['engine']}", "Range": "bytes=2-9"},
+        timeout=30,
+    )
+    assert ranged.status_code == 206 and ranged.content == held.content[2:10]
+    claim = version_file_key(VersionRef(RUN, version), CLAIM_FILENAME)
+    assert get(claim, "engine").status_code == 404
+    assert get(f"{RUN}/latest", "engine").status_code == 404
+
+
+def test_with_peer_fetch_off_an_agent_reads_the_store_as_before_and_serves_nothing(
+    fleet: PeerFleet,
+) -> None:
+    version = fleet.chain.latest
+    agent = fleet.start_late_agent("--no-peer-fetch")
+    wait_applied(agent, version, CATCH_UP_S)
+    assert pass_for(agent, version)["bytes_from"] == {}
+    assert metric(agent.url or "", "tether_agent_fetched_bytes_total") == 0
+    key = version_file_key(VersionRef(RUN, version), "model.safetensors.index.json")
+    reply = httpx.get(
+        f"{agent.url}{PEER_FILES_PATH}/{key}",
+        headers={"Authorization": f"Bearer {fleet.cp.tokens['engine']}"},
+        timeout=30,
+    )
+    assert reply.status_code == 404

@@ -1,0 +1,147 @@
+"""Fetch sources: a catch-up reads a version's files from other places than the store (a
+mirror, an HTTP distributor, a peer) and uses their bytes only when they match the digests
+the store recorded; a source that serves bad bytes, fails or stalls is dropped, and the
+store serves what is left."""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import shutil
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from store.layout import CLAIM_FILENAME, version_file_key
+from store.sources import HttpSource, ObjectSource, SourcedFetch
+from store.store import Store
+from store.types import VersionRef
+from tests.store.chain import publish_chain, same_tensors
+
+RUN = "run-a"
+
+
+@pytest.fixture
+def origin(tmp_path: Path) -> tuple[Store, dict]:
+    store = Store(str(tmp_path / "origin"))
+    history = publish_chain(store, RUN, "FDD")
+    return store, history
+
+
+def mirror_of(origin: Store, tmp_path: Path) -> Path:
+    mirror = tmp_path / "mirror"
+    shutil.copytree(origin.url.removeprefix("file://"), mirror)
+    return mirror
+
+
+def shards(store: Store, version: int) -> list[str]:
+    return store.read_manifest(VersionRef(RUN, version)).shard_files()
+
+
+def test_an_intact_mirror_serves_every_file_and_the_store_none(
+    origin: tuple[Store, dict], tmp_path: Path
+) -> None:
+    store, history = origin
+    mirror = mirror_of(store, tmp_path)
+    sourced = SourcedFetch([ObjectSource.open(str(mirror))])
+    tensors = store.materialize(RUN, 2, sources=sourced)
+    assert same_tensors(tensors, history[2])
+    assert sourced.bytes_from["objects"] > 0
+    assert sourced.bytes_from["store"] == 0
+    assert sourced.faults == []
+
+
+def test_bytes_that_differ_from_the_store_digest_are_never_used(
+    origin: tuple[Store, dict], tmp_path: Path
+) -> None:
+    store, history = origin
+    mirror = mirror_of(store, tmp_path)
+    shard = mirror / version_file_key(VersionRef(RUN, 1), shards(store, 1)[0])
+    data = bytearray(shard.read_bytes())
+    data[-10] ^= 0xFF  # same size, other bytes
+    shard.write_bytes(bytes(data))
+    sourced = SourcedFetch([ObjectSource.open(str(mirror))])
+    tensors = store.materialize(RUN, 2, sources=sourced)
+    assert same_tensors(tensors, history[2])
+    assert [(f.reason, f.key) for f in sourced.faults] == [
+        ("digest", version_file_key(VersionRef(RUN, 1), shards(store, 1)[0]))
+    ]
+    assert sourced.bytes_rejected == len(data)
+    assert sourced.bytes_from["store"] > 0  # the dropped mirror's share came from the store
+    assert sourced.sources == []
+
+
+def test_a_version_without_a_claim_is_read_from_the_store_only(
+    origin: tuple[Store, dict], tmp_path: Path
+) -> None:
+    store, history = origin
+    mirror = mirror_of(store, tmp_path)
+    for version in (0, 1, 2):  # as Stitch writes versions: no claim
+        (Path(store.url.removeprefix("file://")) / version_file_key(
+            VersionRef(RUN, version), CLAIM_FILENAME
+        )).unlink()  # fmt: skip
+        for name in shards(store, version):
+            (mirror / version_file_key(VersionRef(RUN, version), name)).write_bytes(b"junk")
+    sourced = SourcedFetch([ObjectSource.open(str(mirror))])
+    assert same_tensors(store.materialize(RUN, 2, sources=sourced), history[2])
+    assert sourced.bytes_from.get("objects", 0) == 0
+    assert sourced.faults == []
+
+
+@pytest.fixture
+def http_mirror(origin: tuple[Store, dict], tmp_path: Path) -> Iterator[str]:
+    """The mirror served by a static HTTP file server, as a cache or distributor would."""
+    handler = functools.partial(
+        http.server.SimpleHTTPRequestHandler, directory=str(mirror_of(origin[0], tmp_path))
+    )
+    handler.log_message = lambda *args: None  # type: ignore[method-assign]
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def test_an_http_distributor_serves_the_catch_up(
+    origin: tuple[Store, dict], http_mirror: str
+) -> None:
+    store, history = origin
+    sourced = SourcedFetch([HttpSource(http_mirror)])
+    assert same_tensors(store.materialize(RUN, 2, sources=sourced), history[2])
+    assert sourced.bytes_from["http"] > 0
+    assert sourced.bytes_from["store"] == 0
+
+
+def test_a_source_that_never_answers_is_dropped_as_stalled_and_the_store_serves(
+    origin: tuple[Store, dict],
+) -> None:
+    store, history = origin
+    # A listening socket nobody accepts from: connections open, no byte ever comes back.
+    silent = socket.create_server(("127.0.0.1", 0))
+    try:
+        stalled = HttpSource(f"http://127.0.0.1:{silent.getsockname()[1]}", stall_s=0.3)
+        sourced = SourcedFetch([stalled])
+        assert same_tensors(store.materialize(RUN, 2, sources=sourced), history[2])
+    finally:
+        silent.close()
+    assert [f.reason for f in sourced.faults] == ["stall"]
+    assert sourced.bytes_from["store"] > 0
+
+
+def test_a_source_that_does_not_hold_a_file_is_a_miss_not_a_fault(
+    origin: tuple[Store, dict], tmp_path: Path
+) -> None:
+    store, history = origin
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    sourced = SourcedFetch([ObjectSource.open(str(empty))])
+    assert same_tensors(store.materialize(RUN, 2, sources=sourced), history[2])
+    assert sourced.faults == []
+    assert len(sourced.sources) == 1

@@ -1,0 +1,53 @@
+"""Peer-assisted fetch on the wire: the fetch plan the control plane hands a catching-up
+engine, the report of a peer that misbehaved, and who a token is (peers check callers).
+
+Imports pydantic and the other wire modules only; how a plan is built belongs to the
+control plane, how it is followed to the engine agent.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from wire.body import MAX_INT, TetherModel, Version
+from wire.tokens import Role
+
+# Where an agent serves the version files it holds: GET {agent_url}{PEER_FILES_PATH}/{key},
+# `key` as in the store ("<run>/updates/weight_v000007/<file>"); engine role required.
+PEER_FILES_PATH = "/v1/peer/files"
+
+FaultReason = Literal["digest", "size", "stall", "error", "unavailable"]
+
+
+class PeerSource(TetherModel):
+    """One peer to ask for files, with what the control plane last heard it holds."""
+
+    engine_id: str
+    url: str
+    applied_version: int | None
+
+
+class FetchPlan(TetherModel):
+    """Where an engine catching up to `version` gets its files: `peers` in order, then the
+    store (always last, always there). An empty list means: the store only."""
+
+    version: int
+    peers: list[PeerSource] = Field(default_factory=list)
+
+
+class PeerReport(TetherModel):
+    """A peer that served bad bytes, failed or stalled while this engine fetched from it."""
+
+    peer_url: str = Field(min_length=1, max_length=2000)
+    reason: FaultReason
+    key: str = Field(default="", max_length=1000)
+    version: Version | None = Field(default=None, ge=0, le=MAX_INT)
+    message: str = Field(default="", max_length=2000)
+
+
+class TokenIdentity(TetherModel):
+    """The role of the token that called (`GET /v1/tokens/self`)."""
+
+    role: Role
