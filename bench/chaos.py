@@ -775,6 +775,47 @@ def pin_on_a_collected_version(chaos: Chaos) -> None:
     fleet.wait_converged(latest)
 
 
+def peer_serves_corrupted_bytes(chaos: Chaos) -> None:
+    """A peer serves damaged bytes of a version to an engine that joins late: the newcomer
+    must drop and report it, take the bytes from the store, and serve exactly what the
+    other engine serves (no byte of the bad peer used)."""
+    fleet = chaos.fleet
+    holder, newcomer = fleet.members[0], fleet.members[1]
+    assert newcomer.agent is not None and newcomer.engine is not None
+    newcomer.agent.stop()
+    newcomer.engine.stop()
+    version = fleet.publish()
+    wait_until(
+        lambda: (fleet.server_info(holder) or {}).get("applied_version") == version,
+        60,
+        f"{holder.name} to serve v{version}",
+        0.1,
+    )
+    # The holder's verified copies of the new version are damaged after the fact.
+    cached = fleet.work / f"agent-{holder.name}" / "peer-files" / RUN / "updates"
+    damaged = list(cached.glob(f"weight_v{version:06d}/*.safetensors"))
+    if not damaged:
+        raise AssertionError(f"{holder.name} kept no files of v{version} to serve")
+    for path in damaged:
+        path.write_bytes(_damaged(path.read_bytes()))
+    chaos.lifted()
+    fleet.start_engine(newcomer)  # a fresh replica: its engine boots from v0
+    fleet.start_agent(newcomer)
+    fleet.wait_converged(version)
+    faults = httpx.get(f"{newcomer.agent.url}/metrics", timeout=10.0).text
+    if 'tether_agent_fetch_source_faults_total{reason="digest"}' not in faults:
+        raise AssertionError(f"{newcomer.name} never met the damaged peer bytes")
+    sums = {
+        m.name: httpx.post(
+            f"{m.engine.url}/weights_checker", json={"action": "checksum"}, timeout=30.0
+        ).json()["message"]
+        for m in (holder, newcomer)
+        if m.engine is not None
+    }
+    if len(set(sums.values())) != 1:
+        raise AssertionError(f"the engines serve different weights after the catch-up: {sums}")
+
+
 def _damaged(data: bytes) -> bytes:
     """Flip the last 63 bytes: inside the payload, after the safetensors header."""
     out = bytearray(data)
@@ -818,6 +859,7 @@ SCENARIOS: list[Scenario] = [
     Scenario("damaged_bytes_in_the_store", damaged_bytes_in_the_store, FleetSpec()),
     Scenario("staging_disk_full", staging_disk_full, FleetSpec()),
     Scenario("pin_on_a_collected_version", pin_on_a_collected_version, FleetSpec(engines=2)),
+    Scenario("peer_serves_corrupted_bytes", peer_serves_corrupted_bytes, FleetSpec(engines=2)),
 ]
 
 

@@ -8,7 +8,7 @@ Must never do I/O or change the status it reads.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -46,33 +46,39 @@ class _StatusCollector:
 def _peer_metrics(status: AgentStatus) -> Iterator[Metric]:
     """Peer-assisted fetch (docs/peers.md): where version bytes came from, dropped sources,
     and what this agent uploaded to its peers."""
-    fetched = CounterMetricFamily(
+    yield _counter(
         "tether_agent_fetched_bytes",
         "Version-file bytes fetched, by source (store, peer, http, objects)",
-        labels=["source"],
+        "source",
+        status.fetched_bytes,
     )
-    for source, count in sorted(status.fetched_bytes.items()):
-        fetched.add_metric([source], count)
-    yield fetched
-    faults = CounterMetricFamily(
+    yield _counter(
         "tether_agent_fetch_source_faults",
         "Fetch sources dropped for bad bytes, failures or stalls, by reason",
-        labels=["reason"],
+        "reason",
+        status.source_faults,
     )
-    for reason, count in sorted(status.source_faults.items()):
-        faults.add_metric([reason], count)
-    yield faults
-    rejected = CounterMetricFamily(
+    yield _counter(
         "tether_agent_fetch_rejected_bytes",
         "Bytes received from a fetch source and discarded: they did not match the store",
+        None,
+        {"": status.rejected_bytes},
     )
-    rejected.add_metric([], status.rejected_bytes)
-    yield rejected
-    served = CounterMetricFamily(
-        "tether_agent_peer_served_bytes", "Version-file bytes served to peers"
+    yield _counter(
+        "tether_agent_peer_served_bytes",
+        "Version-file bytes served to peers",
+        None,
+        {"": status.served_bytes},
     )
-    served.add_metric([], status.served_bytes)
-    yield served
+
+
+def _counter(name: str, doc: str, label: str | None, counts: Mapping[str, int]) -> Metric:
+    """A counter family from `counts` (label value -> count; one unlabelled sample when
+    `label` is None)."""
+    family = CounterMetricFamily(name, doc, labels=[label] if label else None)
+    for value, count in sorted(counts.items()):
+        family.add_metric([value] if label else [], count)
+    return family
 
 
 def render(status: AgentStatus) -> bytes:

@@ -71,8 +71,12 @@ class FileCache:
         path.parent.mkdir(parents=True, exist_ok=True)
         for target, content in ((path, data), (sidecar, f"{len(data)} {tensor_checksum(data)}")):
             temp = target.with_name(f".{target.name}.{uuid.uuid4().hex}")
-            temp.write_bytes(content if isinstance(content, bytes) else content.encode())
-            os.replace(temp, target)
+            try:
+                temp.write_bytes(content if isinstance(content, bytes) else content.encode())
+                os.replace(temp, target)
+            except OSError:
+                temp.unlink(missing_ok=True)  # e.g. a full disk: leave nothing half-written
+                raise
         if self.on_saved is not None:
             self.on_saved(key)
 

@@ -7,27 +7,15 @@ import time
 
 from controlplane.fetch_plan import Suspects, plan_fetch
 from controlplane.snapshot import EngineView, FleetSnapshot, RunView
-from wire import Precision, SyncState, TargetPolicy
+from tests.controlplane.test_dashboard import view
+from wire import SyncState, TargetPolicy
 from wire.peers import PeerReport
 
 RUN = "run-a"
 
 
 def engine(engine_id: str, applied: int | None, state: SyncState = SyncState.READY) -> EngineView:
-    return EngineView(
-        engine_id=engine_id,
-        run_id=RUN,
-        url=f"http://127.0.0.1:9/{engine_id}",
-        precision=Precision.BF16,
-        capacity=1,
-        applied_version=applied,
-        sync_state=state,
-        in_flight=0,
-        staging_target=None,
-        staging_progress=0.0,
-        staging_started_at=None,
-        lease_expires_at=time.time() + 60,
-    )
+    return view(engine_id, applied, state, run_id=RUN, lease_expires_at=time.time() + 60)
 
 
 def snapshot(engines: list[EngineView], latest: int) -> FleetSnapshot:
