@@ -18,7 +18,7 @@ from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from wire import Heartbeat, SyncState
+from wire import MAX_INT, FetchReport, Heartbeat, SyncState
 
 
 @dataclass
@@ -92,4 +92,19 @@ class AgentStatus:
             staging_progress=min(max(self.staging_progress, 0.0), 1.0),
             in_flight=in_flight,
             last_error=self.last_error[:4000] if self.last_error else None,
+            fetched=self.fetch_report(),
+        )
+
+    def fetch_report(self) -> FetchReport | None:
+        """Where the last committed version's bytes came from (store, or any other source),
+        for the control plane's convergence figures; None without that accounting."""
+        last = next((p for p in reversed(self.passes) if p.committed is not None), None)
+        if last is None or last.committed is None or not last.bytes_from:
+            return None
+        store = last.bytes_from.get("store", 0)
+        others = sum(size for source, size in last.bytes_from.items() if source != "store")
+        return FetchReport(
+            version=last.committed,
+            store_bytes=min(store, MAX_INT),
+            peer_bytes=min(others, MAX_INT),
         )
