@@ -99,6 +99,8 @@ class ChatSessions:
         # Sessions this process placed whose rows are not written yet: creations at the
         # same moment must see each other, or they would all pick the same engine.
         self._pending: Counter[str] = Counter()
+        # A run's base checkpoint never changes, so neither does its tokenizer.
+        self._by_run: dict[str, ChatTokenizer] = {}
         self._swept_at = 0.0
 
     # ------------------------------------------------------------------ lifecycle
@@ -229,8 +231,10 @@ class ChatSessions:
                 field="body.messages",
             )
         tools = body.get("tools") or None
-        run = await asyncio.to_thread(self.cp.runs.get, session.run_id)
-        tokenizer = await self._tokenizer(run.run_id, run.base_checkpoint)
+        tokenizer = self._by_run.get(session.run_id)
+        if tokenizer is None:
+            run = await asyncio.to_thread(self.cp.runs.get, session.run_id)
+            tokenizer = await self._tokenizer(run.run_id, run.base_checkpoint)
         history_sent = body["messages"][: len(recorded)]
         previous = session.token_ids()
         try:
@@ -372,9 +376,11 @@ class ChatSessions:
 
     async def _tokenizer(self, run_id: str, source: str | None) -> ChatTokenizer:
         try:
-            return await asyncio.to_thread(self.tokenizers.get, source, run_id)
+            found = await asyncio.to_thread(self.tokenizers.get, source, run_id)
         except TokenizerUnavailable as exc:
             raise InvalidRequest(str(exc), field="run_id") from exc
+        self._by_run[run_id] = found
+        return found
 
     def _constraint(self, session: Session) -> VersionConstraint:
         run = self.cp.fleet.snapshot.runs.get(session.run_id)

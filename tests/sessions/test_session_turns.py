@@ -16,7 +16,7 @@ import pytest
 from tests.fixtures.processes import wait_until
 from tests.sessions.conftest import RUN, SessionFleet
 
-pytestmark = pytest.mark.postgres
+pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
 TOOLS = [
     {
