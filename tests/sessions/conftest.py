@@ -45,6 +45,9 @@ CP_ENV = {
     "TETHER_DEFAULT_RETRY_AFTER_S": "0.2",
 }
 ROLES = ("trainer", "engine", "client", "viewer")
+# Waits end as soon as their event happens; the bound only has to survive a busy machine
+# (catching up to a new version on two cores under load has taken over a minute).
+DEADLINE_S = 180.0
 
 
 @dataclass
@@ -80,7 +83,7 @@ class SessionFleet:
             assert reply.status_code == 200, reply.text
             return reply.json()
 
-        return wait_until(attempt, 60.0, f"a turn of {session_id}")
+        return wait_until(attempt, DEADLINE_S, f"a turn of {session_id}")
 
     def trajectory(self, session_id: str) -> dict[str, Any]:
         reply = self.call("GET", f"/v1/sessions/{session_id}/trajectory")
@@ -102,7 +105,7 @@ class SessionFleet:
             ]
             return len(serving) >= count
 
-        wait_until(ready, 60.0, f"{count} serving engines")
+        wait_until(ready, DEADLINE_S, f"{count} serving engines")
 
     def restart_controlplane(self) -> None:
         port = int(self.cp.url.rsplit(":", 1)[1])
@@ -149,7 +152,7 @@ def fleet(
             wait_until_ready(engine)
         for agent in agents:
             wait_agent(agent)
-            wait_applied(agent, 0)
+            wait_applied(agent, 0, DEADLINE_S)
         fleet = SessionFleet(root, db_url, chain, cp, engines, agents, tiny.bf16)
         fleet.wait_engines(2)
         yield fleet
