@@ -32,6 +32,7 @@ import math
 import os
 import secrets
 import shutil
+import signal
 import tempfile
 import time
 from collections import Counter as Tally
@@ -72,6 +73,9 @@ class FleetConfig:
     heartbeat_s: float = 2.0
     lease_s: float = 20.0
     threads: int = 256
+    # Peer-assisted fetch (docs/peers.md): agents read version files from each other first,
+    # each uploading at most its link's rate.
+    peers: bool = False
 
     @property
     def caps(self) -> dict[str, float]:
@@ -308,12 +312,16 @@ class Swarm:
                 long_poll_s=20.0,
                 retry_initial_s=0.2,
                 retry_max_s=2.0,
+                peer_fetch=self.config.peers,
+                peer_upload_bytes_per_s=self.config.agent_link_mbps * MB,
             )
             engine = NullEngine(f"engine-{index}", 0, self._committed)
             link = Link(self.config.agent_link_mbps * MB)
             inner = self.objects[index % len(self.objects)]
             capped = CappedObjects(inner, link, self.store_link, self.egress)
-            store = Store(inner.url, objects=capped)
+            # With peer fetch the agent keeps what it fetched, verified, to serve it.
+            cache = self.work / f"agent-{index}" / "peer-files" if self.config.peers else None
+            store = Store(inner.url, objects=capped, cache_dir=cache)
             control = ControlClient(
                 settings.control_planes, settings.token, event_hooks=self.probes.hooks()
             )
@@ -358,10 +366,27 @@ class Swarm:
                 times.append(max(0.0, first - published_at))
         return sorted(times)
 
+    def differing(self) -> int:
+        """Commits whose staged weights differ from the most common ones of that version."""
+        by_version: dict[int, Tally[str]] = {}
+        for engine in self.engines:
+            for version, digest in engine.digests.items():
+                by_version.setdefault(version, Tally())[digest] += 1
+        return sum(sum(t.values()) - max(t.values()) for t in by_version.values())
+
     async def close(self) -> None:
         for agent in self.agents:
             agent.stop()
         await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+def _stop_on_signals(loop: asyncio.AbstractEventLoop) -> None:
+    """Ctrl-C / SIGTERM end the measurement (and stop every server): each agent installs
+    its own handlers when it starts, so the bench takes them back after each wave."""
+    main = asyncio.current_task()
+    assert main is not None
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, main.cancel)
 
 
 async def _loop_lag(out: list[float], period_s: float = 0.1) -> None:
@@ -401,6 +426,7 @@ async def _measure(config: FleetConfig, work: Path, say: Callable[[str], None]) 
         # The single-engine catch-up under the same caps: one agent alone on v1.
         swarm.add(1)
         await swarm.wait_registered(1, 120.0)
+        _stop_on_signals(loop)
         v1 = await asyncio.to_thread(trainer.publish_next)
         await swarm.wait_serving(v1, 1, CONVERGE_DEADLINE_S)
         single_s = swarm.reached(v1, trainer.published_at[v1])[0]
@@ -409,6 +435,7 @@ async def _measure(config: FleetConfig, work: Path, say: Callable[[str], None]) 
         while len(swarm.agents) < config.engines:
             swarm.add(min(START_WAVE, config.engines - len(swarm.agents)))
             await swarm.wait_registered(len(swarm.agents), 300.0)
+            _stop_on_signals(loop)
         await swarm.wait_serving(v1, config.engines, CONVERGE_DEADLINE_S)
         say(f"{config.engines} agents up and on v{v1} in {time.perf_counter() - started:.1f}s")
         rows = []
@@ -468,9 +495,14 @@ async def _measure(config: FleetConfig, work: Path, say: Callable[[str], None]) 
                 sum(r["store_egress_bytes"] for r in rows) / sum(r["version_bytes"] for r in rows),
                 3,
             ),
-            # Peer-assisted fetch is not in the agents this benchmark runs yet.
-            "peer_bytes": 0,
-            "bad_peer_bytes_used": 0,
+            "peer_bytes": sum(
+                a.status.fetched_bytes.get("peer", 0)
+                for a in swarm.agents
+                if hasattr(a.status, "fetched_bytes")
+            ),
+            # Engines whose staged weights for a version differ from the others' (the
+            # store's bytes, verified): any byte of a bad peer that got through shows here.
+            "commits_differing": swarm.differing(),
             "heartbeats": len(beats),
             "heartbeat_p50_ms": _ms(percentile(beats, 0.5)),
             "heartbeat_p99_ms": _ms(percentile(beats, 0.99)),
@@ -504,6 +536,8 @@ def measure(config: FleetConfig, say: Callable[[str], None] = print) -> dict[str
     work = Path(tempfile.mkdtemp(prefix="tether-bench-fleet-"))
     try:
         return asyncio.run(_measure(config, work, say))
+    except asyncio.CancelledError:
+        raise KeyboardInterrupt from None  # a signal ended it (after the cleanup)
     except Exception:
         # Keep the servers' logs of a failed scale: they say what gave way.
         kept = Path(tempfile.mkdtemp(prefix="tether-bench-fleet-logs-"))
@@ -552,16 +586,15 @@ def fit(points: list[tuple[int, float]], form: str) -> Fit:
 
 
 def models(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """Both fits of the time to 99 % (and of control-plane CPU) over the measured scales."""
+    """Both fits of the time to 99 % over the measured scales, and the better one's
+    prediction for `TARGET_N` engines."""
     points = [(r["engines"], r["converged_p99_s"]) for r in results]
     fits = [fit(points, "linear"), fit(points, "log")]
     best = min(fits, key=lambda f: f.max_rel_error)
-    cpu = fit([(r["engines"], r["controlplane_cpu_cores"]) for r in results], "linear")
     return {
         "converged_p99": {f.form: f.as_dict() for f in fits},
         "converged_p99_best": best.form,
         f"converged_p99_predicted_{TARGET_N}_s": round(best.predict(TARGET_N), 3),
-        "controlplane_cpu_cores": cpu.as_dict(),
     }
 
 
@@ -573,6 +606,7 @@ def run(
     store_egress_mbps: float = typer.Option(0.3, help="the store's egress in MB/s"),
     heartbeat_s: float = typer.Option(5.0, help="heartbeat interval the control plane asks"),
     threads: int = typer.Option(256, help="fetch worker threads in the swarm process"),
+    peers: bool = typer.Option(False, help="peer-assisted fetch between the agents"),
 ) -> None:
     """A swarm of real agents with null engines: convergence, store egress, heartbeats."""
     logging.basicConfig(level=logging.WARNING)
@@ -584,7 +618,7 @@ def run(
         config = FleetConfig(
             engines=n, versions=versions, model_kb=model_kb, agent_link_mbps=agent_link_mbps,
             store_egress_mbps=store_egress_mbps, heartbeat_s=heartbeat_s,
-            lease_s=max(10.0, heartbeat_s * 5), threads=threads,
+            lease_s=max(10.0, heartbeat_s * 5), threads=threads, peers=peers,
         )  # fmt: skip
         print(f"--- {n} engines, caps {config.caps}, load {os.getloadavg()[0]:.2f}")
         try:

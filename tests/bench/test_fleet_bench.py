@@ -47,6 +47,7 @@ def test_every_engine_of_the_swarm_commits_every_version_through_its_capped_link
     assert result["heartbeat_p99_ms"] is not None
     assert result["single_catchup_s"] > 0
     assert result["peer_bytes"] == 0
+    assert result["commits_differing"] == 0
 
 
 def test_a_link_queues_transfers_behind_each_other_at_its_rate() -> None:
