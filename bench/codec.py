@@ -327,10 +327,13 @@ def two_core_speedup(target: Mapping, base: Mapping, repeats: int) -> dict[str, 
     return out
 
 
-def catchup_stages(target: Mapping, base: Mapping, root: Path) -> dict[str, float]:
+def catchup_stages(
+    target: Mapping, base: Mapping, root: Path, repeats: int = 1
+) -> dict[str, float]:
     """GB/s per core (thread CPU time, one codec and one torch thread) of each catch-up
     stage on one version of `target`: fetch its files from a folder store, fold + verify,
-    convert to FP8, convert to NVFP4, write the staged BF16 folder."""
+    convert to FP8, convert to NVFP4, write the staged BF16 folder. Each stage but the write
+    (which must not find its folder) is the least of `repeats` runs."""
     import torch
 
     from engine_agent.precision.checkpoint import write_safetensors_folder
@@ -353,12 +356,12 @@ def catchup_stages(target: Mapping, base: Mapping, root: Path) -> dict[str, floa
             VersionRef("bench", 1),
             encode_version(target, base, version=1, base_version=0, codec="sparse"),
         )
-        files, t_fetch = _cpu(lambda: _fetched(store.open_version(VersionRef("bench", 1))))
-        tensors, t_fold = _cpu(lambda: fold(base, [files]))
+        files, t_fetch = _cpu(lambda: _fetched(store.open_version(VersionRef("bench", 1))), repeats)
+        tensors, t_fold = _cpu(lambda: fold(base, [files]), repeats)
         state = raw_to_state_dict(tensors)
-        _, t_fp8 = _cpu(lambda: convert_tensors(state, {}, "fp8"))
+        _, t_fp8 = _cpu(lambda: convert_tensors(state, {}, "fp8"), repeats)
         scales = {m: 1.0 for m in plan_quantization(state, "nvfp4").quantized}
-        _, t_nvfp4 = _cpu(lambda: convert_tensors(state, {}, "nvfp4", scales))
+        _, t_nvfp4 = _cpu(lambda: convert_tensors(state, {}, "nvfp4", scales), repeats)
         _, t_write = _cpu(lambda: write_safetensors_folder(root / "staged", state))
     finally:
         torch.set_num_threads(torch_threads)
@@ -489,7 +492,7 @@ def run(
         speedup = two_core_speedup(speed_pair[1], base, max(5, 2 * repeats))
         if stages:
             with tempfile.TemporaryDirectory(prefix="tether-bench-codec-") as scratch:
-                stage_rates = catchup_stages(speed_pair[1], base, Path(scratch))
+                stage_rates = catchup_stages(speed_pair[1], base, Path(scratch), repeats)
     workers.set_threads(os.cpu_count() or 1)
     load_after = os.getloadavg()
     targeted = [c for c in cases if c.targeted]
