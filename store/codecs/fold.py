@@ -9,7 +9,8 @@ keeps serving its old weights whatever the payload holds.
 
 Must never write into the caller's tensors, and never return a tensor whose checksum was not
 verified (tensors no delta touches are returned as the base's own objects). Tensors are
-applied in parallel on the codec tensor pool (`store.codecs.workers`).
+applied in parallel on the codec tensor pool (`store.codecs.workers`). The changed tensors
+it returns are views of one allocation, freed when the last of them is dropped.
 """
 
 from __future__ import annotations
