@@ -6,7 +6,7 @@ must hold an engine (or admin) token, checked with the control plane and remembe
 short while. A file the agent is still fetching itself (its version lies between the
 applied version and its target) is waited for, at most as long as the caller allows
 (`X-Tether-Peer-Wait`) and the agent's own `peer_wait_s`; otherwise a missing file is 404
-at once. Uploads are bounded: `upload_slots` at a time (503 past that) sharing
+at once. Uploads are bounded: `upload_slots` under way at a time (503 past that) sharing
 `upload_bytes_per_s`. Old versions are pruned from the cache after each commit.
 
 Must never serve anything but complete, verified version files of its own run (no claim,
@@ -93,7 +93,10 @@ class PeerServer:
         self.role_of = role_of
         self.expecting = expecting
         self.max_wait_s = max_wait_s
-        self.slots = asyncio.Semaphore(upload_slots)
+        self.upload_slots = upload_slots
+        # Uploads under way; counted inside the streaming body so that a client that leaves
+        # before the body starts never holds a slot.
+        self.uploading = 0
         self.limiter = UploadLimiter(upload_bytes_per_s)
         self._roles: dict[str, tuple[Role | None, float]] = {}
         self._waiters: dict[str, list[asyncio.Future[None]]] = {}
@@ -185,21 +188,17 @@ class PeerServer:
         path = await self._wait_for(key, version, max(0.0, min(asked, self.max_wait_s)))
         if path is None:
             return _error(404, "NotFound", f"this agent holds no verified copy of {key}")
-        try:
-            await asyncio.wait_for(self.slots.acquire(), 1.0)
-        except TimeoutError:
+        if self.uploading >= self.upload_slots:
             return _error(503, "PeerBusy", "every upload slot is taken; ask another source", 1)
         try:
             size = path.stat().st_size
         except FileNotFoundError:  # pruned meanwhile
-            self.slots.release()
             return _error(404, "NotFound", f"{key} was pruned")
         start, end, status = 0, size, 200
         wanted = request.headers.get("range")
         if wanted:
             span = _parse_range(wanted, size)
             if span is None:
-                self.slots.release()
                 return Response(status_code=416, headers={"Content-Range": f"bytes */{size}"})
             start, end, status = span[0], span[1], 206
         headers = {"Content-Length": str(end - start), "Accept-Ranges": "bytes"}
@@ -213,6 +212,7 @@ class PeerServer:
         )
 
     async def _stream(self, path: Path, start: int, end: int) -> AsyncIterator[bytes]:
+        self.uploading += 1
         try:
             with path.open("rb") as handle:
                 handle.seek(start)
@@ -227,7 +227,7 @@ class PeerServer:
                     yield chunk
             self.status.served_files += 1
         finally:
-            self.slots.release()
+            self.uploading -= 1
 
     # ---- retention -----------------------------------------------------------------------
 
