@@ -1,10 +1,13 @@
 """Router benchmark: added latency and throughput of Tether's router against SGLang's.
 
 Side by side on one machine: requests straight to fast engine stand-ins, through Tether's
-router, and through SGLang's Rust router (`sglang-router`) to the same stand-ins. Also the
-routing decision time with 1,000 registered engines, and heartbeat latency with 1,000
-simulated engines at 1 Hz on SQLite (and on PostgreSQL when `--pg-url` is given).
-The last line printed is one JSON object of the figures.
+router (its own hot-lane exchange, one process and any `--workers` counts asked for; and
+the same lane through ASGI, `tether-asgi`, as before the exchange), and through SGLang's
+Rust router (`sglang-router`) to the same stand-ins. For each router, the CPU time of its
+process tree per request during the throughput runs. Also the routing decision time with
+1,000 registered engines, and heartbeat latency with 1,000 simulated engines at 1 Hz on
+SQLite and on PostgreSQL (`--pg-url`, else a server started from the machine's
+initdb/pg_ctl for the run). The last line printed is one JSON object of the figures.
 
 Method: a bare asyncio HTTP/1.1 keep-alive client (the servers share the machine with
 it). Added latency is the difference of medians of sequential requests (one in flight),
@@ -34,6 +37,9 @@ from launcher.processes import TETHER, ManagedProcess, ProcessFailed, ProcessGro
 ROOT = Path(__file__).resolve().parents[1]
 ADMIN = "tth_bench-admin-token-not-secret"
 START_DEADLINE_S = 120.0
+# The stand-ins beat as often as agents do (the control plane's default
+# `heartbeat_interval_s`); their heartbeats are work of the measured router, not of the Rust one.
+AGENT_HEARTBEAT_S = 2.0
 # Heartbeat runs measure latency; a lease lapsing under a loaded machine would end them.
 LONG_LEASE = {"TETHER_LEASE_SECONDS": "120"}
 
@@ -464,7 +470,8 @@ def run(
             urls.append(f"http://127.0.0.1:{port}")
             procs.start(f"engine{i}", [sys.executable, "-m", "tests.standins.engine",
                         "--port", str(port), "--version", "1", "--controlplane", cp,
-                        "--token", engine_token, "--run-id", "bench"],
+                        "--token", engine_token, "--run-id", "bench",
+                        "--heartbeat-s", str(AGENT_HEARTBEAT_S)],
                         url=urls[-1], cwd=ROOT).wait_http("/health", START_DEADLINE_S)  # fmt: skip
         deadline = time.monotonic() + 30
         headers = {"Authorization": f"Bearer {ADMIN}"}
