@@ -221,7 +221,6 @@ def test_exact_pinned_request_in_flight_delays_the_commit_and_is_answered_on_its
         "sampling_params": {"max_new_tokens": 600, "temperature": 0.0, "ignore_eos": True},
         "weight_version": {"exact_version": pinned},
     }
-    first_chunk = threading.Event()
     chunks: list[dict] = []
 
     def stream() -> None:
@@ -229,17 +228,16 @@ def test_exact_pinned_request_in_flight_delays_the_commit_and_is_answered_on_its
             for line in reply.iter_lines():
                 if line.startswith("data: {"):
                     chunks.append(json.loads(line[len("data: ") :]))
-                    first_chunk.set()
 
-    reader = threading.Thread(target=stream)
-    reader.start()
-    assert first_chunk.wait(60), "the pinned request never started"
-    # No race with the generation's speed: the engine is held (paused in place) once the
-    # pinned request is under way, so it stays in flight however fast the machine is and
-    # however long staging takes. The commit never pauses the engine before the gate drains.
+    # No race with the generation's speed: the engine is held (paused in place) before the
+    # pinned request is sent, so it stays in flight however fast the machine is and however
+    # long staging takes; the commit never pauses the engine before the gate drains.
     engine_url = fleet.engines["bf16"].url
     hold = httpx.post(f"{engine_url}/pause_generation", json={"mode": "in_place"}, timeout=10)
     assert hold.status_code == 200, hold.text
+    reader = threading.Thread(target=stream)
+    reader.start()
+    wait_until(lambda: server_info(agent)["in_flight"] >= 1, 60, "the pinned request admitted")
     try:
         version = fleet.publish()
         # Staged and ready to commit, but held back: admission closed while the pin is in
