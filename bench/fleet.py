@@ -76,6 +76,9 @@ class FleetConfig:
     # Peer-assisted fetch (docs/peers.md): agents read version files from each other first,
     # each uploading at most its link's rate.
     peers: bool = False
+    # Agents whose kept files are damaged right after each is saved: they serve peers
+    # corrupted bytes (every `engines // bad_peers`-th agent, the first one included).
+    bad_peers: int = 0
 
     @property
     def caps(self) -> dict[str, float]:
@@ -326,6 +329,11 @@ class Swarm:
                 settings.control_planes, settings.token, event_hooks=self.probes.hooks()
             )
             agent = Agent(settings, engine, store=store, control=control)
+            if (
+                self.config.bad_peers
+                and index % max(1, self.config.engines // self.config.bad_peers) == 0
+            ):
+                _serve_damaged(agent)
             self.engines.append(engine)
             self.agents.append(agent)
             self.tasks.append(asyncio.create_task(agent.run(), name=f"agent-{index}"))
@@ -378,6 +386,24 @@ class Swarm:
         for agent in self.agents:
             agent.stop()
         await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+def _serve_damaged(agent: Any) -> None:
+    """Damage each file the agent keeps for its peers as soon as it is saved (the agent's
+    own catch-up already holds the good bytes), so every peer that reads it gets bad ones."""
+    cache = agent.store.cache
+    if cache is None:
+        return
+    serve = cache.on_saved
+
+    def damage(key: str) -> None:
+        path = cache.root / key
+        data = path.read_bytes()
+        path.write_bytes(bytes(b ^ 0x5A for b in data[:256]) + data[256:])
+        if serve is not None:
+            serve(key)
+
+    cache.on_saved = damage
 
 
 def _stop_on_signals(loop: asyncio.AbstractEventLoop) -> None:
@@ -607,6 +633,7 @@ def run(
     heartbeat_s: float = typer.Option(5.0, help="heartbeat interval the control plane asks"),
     threads: int = typer.Option(256, help="fetch worker threads in the swarm process"),
     peers: bool = typer.Option(False, help="peer-assisted fetch between the agents"),
+    bad_peers: int = typer.Option(0, help="agents that serve their peers damaged files"),
 ) -> None:
     """A swarm of real agents with null engines: convergence, store egress, heartbeats."""
     logging.basicConfig(level=logging.WARNING)
@@ -619,6 +646,7 @@ def run(
             engines=n, versions=versions, model_kb=model_kb, agent_link_mbps=agent_link_mbps,
             store_egress_mbps=store_egress_mbps, heartbeat_s=heartbeat_s,
             lease_s=max(10.0, heartbeat_s * 5), threads=threads, peers=peers,
+            bad_peers=bad_peers,
         )  # fmt: skip
         print(f"--- {n} engines, caps {config.caps}, load {os.getloadavg()[0]:.2f}")
         try:
