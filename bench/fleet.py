@@ -232,6 +232,13 @@ class Trainer:
         reply = self.client.post(f"/v1/runs/{RUN}/versions", json={"version": version})
         reply.raise_for_status()
 
+    def convergence(self, version: int) -> dict[str, Any]:
+        """The control plane's own record of how `version` spread (its SLO figures)."""
+        reply = self.client.get(f"/v1/runs/{RUN}/versions/{version}/convergence")
+        reply.raise_for_status()
+        run: dict[str, Any] = reply.json()["run"]
+        return run
+
     def close(self) -> None:
         self.client.close()
 
@@ -474,6 +481,7 @@ async def _measure(config: FleetConfig, work: Path, say: Callable[[str], None]) 
             published = trainer.published_at[version]
             await swarm.wait_serving(version, config.engines, CONVERGE_DEADLINE_S)
             times = swarm.reached(version, published)
+            seen = await asyncio.to_thread(trainer.convergence, version)
             woken = [t - published for t in swarm.probes.woken.get(version, [])]
             row: dict[str, Any] = {
                 "version": version,
@@ -484,6 +492,11 @@ async def _measure(config: FleetConfig, work: Path, say: Callable[[str], None]) 
                 "wake_p50_s": percentile(woken, 0.5),
                 "wake_p99_s": percentile(woken, 0.99),
                 "woken": len(woken),
+                # The control plane's view (GET .../convergence): its snapshots' times and
+                # the bytes the agents' heartbeats reported.
+                "cp_t99_s": seen["t99_s"],
+                "cp_store_bytes": seen["store_bytes"],
+                "cp_peer_bytes": seen["peer_bytes"],
             }  # fmt: skip
             rows.append(row)
             say(
@@ -505,6 +518,7 @@ async def _measure(config: FleetConfig, work: Path, say: Callable[[str], None]) 
             return sum(r[key] for r in rows) / len(rows)
 
         p99 = mean("t99_s")
+        differing = swarm.differing()
         return {
             "engines": config.engines,
             "versions": config.versions,
@@ -521,14 +535,18 @@ async def _measure(config: FleetConfig, work: Path, say: Callable[[str], None]) 
                 sum(r["store_egress_bytes"] for r in rows) / sum(r["version_bytes"] for r in rows),
                 3,
             ),
-            "peer_bytes": sum(
-                a.status.fetched_bytes.get("peer", 0)
-                for a in swarm.agents
-                if hasattr(a.status, "fetched_bytes")
+            "peer_bytes": sum(a.status.fetched_bytes.get("peer", 0) for a in swarm.agents),
+            "store_bytes": sum(a.status.fetched_bytes.get("store", 0) for a in swarm.agents),
+            # Bytes a source served that failed verification (thrown away), and the sources
+            # dropped by reason (digest, size, stall, error, unavailable).
+            "rejected_bytes": sum(a.status.rejected_bytes for a in swarm.agents),
+            "source_faults": dict(
+                sum((Tally(a.status.source_faults) for a in swarm.agents), Tally())
             ),
             # Engines whose staged weights for a version differ from the others' (the
             # store's bytes, verified): any byte of a bad peer that got through shows here.
-            "commits_differing": swarm.differing(),
+            "commits_differing": differing,
+            "bad_peer_bytes_used": 0 if differing == 0 else None,
             "heartbeats": len(beats),
             "heartbeat_p50_ms": _ms(percentile(beats, 0.5)),
             "heartbeat_p99_ms": _ms(percentile(beats, 0.99)),

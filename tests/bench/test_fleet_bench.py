@@ -1,10 +1,10 @@
 """`tether bench fleet` at a tiny scale: real agents, real PostgreSQL, real S3, capped links.
 
 The figures are the benchmark's business; these tests check that the swarm runs the whole
-agent path (every engine commits every version, over heartbeats and long-polls), that the
-caps hold (no engine gets a version faster than its link carries it, and the store serves
-each agent its own copy while peers are off), and that the scaling models recover the
-curves they are fitted to.
+agent path (every engine commits every version, over heartbeats and long-polls, with peer
+fetch on and one agent serving its peers damaged files), that the caps hold (no engine gets
+a version faster than its link carries it), that every engine staged the same weights, and
+that the scaling models recover the curves they are fitted to.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ ENGINES = 4
 @pytest.mark.s3
 @pytest.mark.skipif(find_pg_bin() is None, reason="PostgreSQL binaries are not installed")
 @pytest.mark.skipif(find_weed() is None, reason="the SeaweedFS 'weed' binary is not installed")
-def test_every_engine_of_the_swarm_commits_every_version_through_its_capped_link() -> None:
+def test_every_engine_of_the_swarm_commits_the_store_s_bytes_despite_a_lying_peer() -> None:
     config = FleetConfig(
         engines=ENGINES, versions=2, model_kb=128, agent_link_mbps=0.5, store_egress_mbps=5.0,
-        heartbeat_s=0.5, lease_s=10.0, threads=8,
+        heartbeat_s=0.5, lease_s=10.0, threads=8, peers=True, bad_peers=1,
     )  # fmt: skip
     result = measure(config, say=lambda _line: None)
 
@@ -40,14 +40,15 @@ def test_every_engine_of_the_swarm_commits_every_version_through_its_capped_link
         assert row["t100_s"] is not None
         # Nobody gets the version faster than their own link carries it.
         assert row["t50_s"] >= row["version_bytes"] / (config.agent_link_mbps * MB)
-        # Store-only fetch: every agent reads its own copy of the version from the store.
-        assert row["store_egress_bytes"] >= ENGINES * row["version_bytes"]
+        # The store served the version at least once, whoever passed it on.
+        assert row["store_egress_bytes"] >= row["version_bytes"]
         assert row["woken"] >= 1
     assert result["heartbeats"] > 0
     assert result["heartbeat_p99_ms"] is not None
     assert result["single_catchup_s"] > 0
-    assert result["peer_bytes"] == 0
+    # One agent damages every file it keeps for its peers: no engine may use those bytes.
     assert result["commits_differing"] == 0
+    assert result["bad_peer_bytes_used"] == 0
 
 
 def test_a_link_queues_transfers_behind_each_other_at_its_rate() -> None:
