@@ -7,8 +7,9 @@ The codecs, the store and the control plane handle checkpoints as bytes; only
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -67,6 +68,9 @@ class RawTensor:
     dtype: str
     shape: tuple[int, ...]
     data: np.ndarray
+    # Set by the fold on the tensors it patched: where they differ from the tensor they were
+    # folded from, so that consumers (incremental conversion) need not compare the two.
+    changed: ChangedElements | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         size = dtype_size(self.dtype)
@@ -105,6 +109,21 @@ class RawTensor:
     @classmethod
     def from_bytes(cls, dtype: str, shape: tuple[int, ...], data: bytes | bytearray) -> RawTensor:
         return cls(dtype, tuple(shape), np.frombuffer(data, dtype=np.uint8))
+
+
+@dataclass(frozen=True)
+class ChangedElements:
+    """The elements of a tensor that may differ from `base`'s (a superset is allowed).
+
+    Holds the base weakly: a version must not keep every earlier version alive.
+    """
+
+    base: weakref.ref[RawTensor]
+    positions: np.ndarray  # sorted flat element indices, int64
+
+    def relative_to(self, base: RawTensor) -> np.ndarray | None:
+        """The positions if `base` is the very tensor they were found against, else None."""
+        return self.positions if self.base() is base else None
 
 
 def total_bytes(tensors: Mapping[str, RawTensor]) -> int:

@@ -36,6 +36,7 @@ import logging
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -45,6 +46,14 @@ from engine_agent.precision import fp8, nvfp4
 from engine_agent.precision.convert import convert_tensors
 from engine_agent.precision.plan import QuantPlan, check_precision, plan_quantization
 from store.tensors import RawTensor
+
+_fp8_kernel: ModuleType | None
+_nvfp4_kernel: ModuleType | None
+try:
+    from engine_agent.precision import fp8_kernel as _fp8_kernel
+    from engine_agent.precision import nvfp4_kernel as _nvfp4_kernel
+except ImportError:  # numba missing: the torch ops below give the same bytes, slower
+    _fp8_kernel = _nvfp4_kernel = None
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +67,9 @@ _MIN_NORMAL = 2.0**-126
 _E4M3_448 = 0x7E
 _BLOCK_SHIFT = fp8.BLOCK.bit_length() - 1  # tile index = element index >> 7
 _GROUP_SHIFT = nvfp4.GROUP.bit_length() - 1  # 16-group index = flat element index >> 4
+# Beyond this many elements tied at a fused group's global amax (an all-zero group, say),
+# their positions are not kept.
+_MAX_HOLDERS = 4096
 
 
 @dataclass(frozen=True)
@@ -97,6 +109,33 @@ class _Nvfp4Group:
     members: tuple[str, ...]
     global_amax: float
     scale_2: torch.Tensor
+    # Flat positions, per member, of the elements whose |x| is the global amax (BF16 bits
+    # `holder_bits`): the amax can only drop when all of them change. None when unknown
+    # (too many, or weights that are not BF16): then a changed group whose old scale was
+    # 448 costs a scan of the whole fused group.
+    holders: dict[str, np.ndarray] | None = None
+    holder_bits: int = -1
+
+
+def _amax_holders(
+    weights: Mapping[str, torch.Tensor], amax: float
+) -> tuple[int, dict[str, np.ndarray] | None]:
+    """BF16 magnitude bits of `amax` and where each weight holds it (None if unknown)."""
+    if amax <= 0 or any(w.dtype != torch.bfloat16 for w in weights.values()):
+        return -1, None
+    bits = int(torch.tensor(amax).to(torch.bfloat16).view(torch.int16).item()) & 0x7FFF
+    holders = {}
+    for module, weight in weights.items():
+        magnitude = _bf16_bits(weight) & 0x7FFF
+        holders[module] = np.flatnonzero(magnitude == bits)
+        if sum(h.size for h in holders.values()) > _MAX_HOLDERS:
+            return -1, None
+    return bits, holders
+
+
+def _bf16_bits(weight: torch.Tensor) -> np.ndarray:
+    """A BF16 tensor's elements as a flat uint16 array (a view)."""
+    return weight.reshape(-1).view(torch.int16).numpy().view(np.uint16)
 
 
 @dataclass
@@ -227,9 +266,11 @@ class IncrementalConverter:
                 state.fp8[module] = _Fp8Tensor(q, scale, _fp8_threshold(fp8.block_amax(weight)))
         else:
             for group in plan.groups:
-                amax = max(nvfp4.tensor_amax(tensors[f"{m}.weight"]) for m in group)
+                weights = {m: tensors[f"{m}.weight"] for m in group}
+                amax = max(nvfp4.tensor_amax(w) for w in weights.values())
                 scale_2 = out[f"{group[0]}.weight_scale_2"]
-                state.nvfp4[group[0]] = _Nvfp4Group(tuple(group), amax, scale_2)
+                bits, holders = _amax_holders(weights, amax)
+                state.nvfp4[group[0]] = _Nvfp4Group(tuple(group), amax, scale_2, holders, bits)
         return state
 
     # ---- applying ------------------------------------------------------------------------
@@ -274,6 +315,15 @@ class IncrementalConverter:
             entry.scale.copy_(scale)
             entry.threshold.copy_(_fp8_threshold(fp8.block_amax(weight)))
             return int(entry.scale.numel())
+        if _fp8_kernel is not None:
+            return _fp8_kernel.recode_changes(
+                weight.view(-1).view(torch.int16).numpy().view(np.uint16),
+                (weight.shape[0], cols),
+                positions,
+                entry.q.view(-1).view(torch.uint8).numpy(),
+                entry.scale.view(-1).numpy(),
+                entry.threshold.numpy(),
+            )
         block = fp8.BLOCK
         tiles_per_row = entry.scale.shape[1]
         row, col = np.divmod(positions, cols)
@@ -312,6 +362,8 @@ class IncrementalConverter:
         """Update one fused NVFP4 group in place; return 1 if it was converted in full."""
         entry = state.nvfp4[group[0]]
         weights = {m: tensors[f"{m}.weight"] for m in group}
+        if _nvfp4_kernel is not None and all(w.dtype == torch.bfloat16 for w in weights.values()):
+            return self._nvfp4_group_compiled(state, entry, weights, touched)
         work: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         needs_full = not float(entry.scale_2) >= _MIN_NORMAL
         maybe_lost_max = False
@@ -351,6 +403,50 @@ class IncrementalConverter:
             scale_bytes.index_copy_(0, groups, scales.view(torch.uint8))
         return 0
 
+    def _nvfp4_group_compiled(
+        self,
+        state: _State,
+        entry: _Nvfp4Group,
+        weights: Mapping[str, torch.Tensor],
+        touched: Mapping[str, np.ndarray],
+    ) -> int:
+        """`_nvfp4_group` with one compiled pass per changed tensor (`nvfp4_kernel`)."""
+        assert _nvfp4_kernel is not None
+        needs_full = not float(entry.scale_2) >= _MIN_NORMAL
+        updates: dict[str, tuple[np.ndarray, Any]] = {}
+        for module, weight in weights.items():
+            positions = touched.get(f"{module}.weight")
+            if needs_full or positions is None:
+                continue
+            if len(positions) > self.dense_fraction * weight.numel():
+                needs_full = True
+                continue
+            scale_bytes = state.out[f"{module}.weight_scale"].view(-1).view(torch.uint8).numpy()
+            update = _nvfp4_kernel.recode_groups(
+                _bf16_bits(weight), positions, float(entry.scale_2), scale_bytes, entry.holder_bits
+            )
+            # Unchanged elements never exceed the old global amax, so this is the changes'.
+            needs_full = not update.amax <= entry.global_amax
+            updates[module] = (positions, update)
+        holders = None if needs_full else _next_holders(entry, updates)
+        if needs_full:
+            pass
+        elif holders is not None:
+            # Every element that held the global amax changed and none reached it: it fell.
+            needs_full = not any(h.size for h in holders.values())
+        elif any(update.old_scale_was_448 for _, update in updates.values()):
+            needs_full = max(nvfp4.tensor_amax(w) for w in weights.values()) != entry.global_amax
+        if needs_full:
+            self._nvfp4_group_full(state, entry, weights)
+            return 1
+        for module, (_, update) in updates.items():
+            packed = state.out[f"{module}.weight"].view(-1, nvfp4.GROUP // 2).numpy()
+            packed[update.groups] = update.codes
+            scale_bytes = state.out[f"{module}.weight_scale"].view(-1).view(torch.uint8).numpy()
+            scale_bytes[update.groups] = update.scales
+        entry.holders = holders
+        return 0
+
     def _nvfp4_group_full(
         self, state: _State, entry: _Nvfp4Group, weights: Mapping[str, torch.Tensor]
     ) -> None:
@@ -362,21 +458,43 @@ class IncrementalConverter:
             state.out[f"{module}.weight_scale_2"] = scale_2
         entry.global_amax = amax
         entry.scale_2 = state.out[f"{entry.members[0]}.weight_scale_2"]
+        entry.holder_bits, entry.holders = _amax_holders(weights, amax)
+
+
+def _next_holders(
+    entry: _Nvfp4Group, updates: Mapping[str, tuple[np.ndarray, Any]]
+) -> dict[str, np.ndarray] | None:
+    """Where the global amax is held after `updates` (None if that is not known)."""
+    if entry.holders is None:
+        return None
+    holders = dict(entry.holders)
+    for module, (positions, update) in updates.items():
+        old = holders[module]
+        if old.size:
+            at = np.minimum(np.searchsorted(positions, old), positions.size - 1)
+            old = old[positions[at] != old]  # those the change did not touch
+        holders[module] = np.union1d(old, update.new_holders) if update.new_holders.size else old
+    if sum(h.size for h in holders.values()) > _MAX_HOLDERS:
+        return None
+    return holders
 
 
 class VersionConverter:
     """`IncrementalConverter` fed with canonical `RawTensor`s, as the agent holds them.
 
     Finds what changed by identity first (the fold returns the base's own object for every
-    tensor no delta touched) and by a word-wise bit comparison otherwise, and reuses the
-    torch view of every unchanged tensor. Holds references to the last converted version's
-    canonical tensors, which the agent holds anyway as the base of its next catch-up.
+    tensor no delta touched), then from the positions the fold recorded on a tensor it
+    patched from the previous version's own tensor (`RawTensor.changed`), and by a
+    word-wise bit comparison otherwise; reuses the torch view of every unchanged tensor.
+    Holds references to the last converted version's canonical tensors, which the agent
+    holds anyway as the base of its next catch-up.
     """
 
     def __init__(self, precision: str, *, incremental: bool = True) -> None:
         self.converter = IncrementalConverter(precision)
         self.incremental = incremental
         self._previous: dict[str, tuple[RawTensor, torch.Tensor]] = {}
+        self.positions_from_fold = 0  # tensors whose changes the fold reported (not diffed)
 
     def convert(
         self,
@@ -402,7 +520,14 @@ class VersionConverter:
             if before is None or not before[0].same_layout(raw):
                 changes = None
                 continue
-            positions = changed_positions(before[0].bits(), raw.bits())
+            # The fold's own record of what it changed, when it folded from this very
+            # tensor; a bit diff of the two versions otherwise.
+            known = raw.changed.relative_to(before[0]) if raw.changed is not None else None
+            if known is None:
+                known = changed_positions(before[0].bits(), raw.bits())
+            else:
+                self.positions_from_fold += 1
+            positions = known
             if positions.size:
                 changes[name] = positions
         if self.converter.precision != "bf16" and not self.incremental:

@@ -41,8 +41,12 @@ class DeltaCodec(Protocol):
         """The payload (1-D uint8) turning `base` into `target`, or None if they are equal."""
         ...
 
-    def apply_into(self, out: np.ndarray, payload: np.ndarray, itemsize: int, name: str) -> None:
-        """Patch `out` (the previous state's bytes, writable) into the next state in place.
+    def apply_into(
+        self, out: np.ndarray, payload: np.ndarray, itemsize: int, name: str
+    ) -> np.ndarray | None:
+        """Patch `out` (the previous state's bytes, writable) into the next state in place,
+        and return the sorted flat element positions it may have changed (int64; a
+        superset is allowed), or None if the codec cannot tell cheaply.
 
         Raise `CorruptPayload` on a payload that does not fit; `out` is then garbage, so
         callers apply into a private copy, never into a base they were given.

@@ -8,7 +8,9 @@ is raised before a result is returned, and the base's buffers are never written:
 keeps serving its old weights whatever the payload holds.
 
 Must never write into the caller's tensors, and never return a tensor whose checksum was not
-verified (tensors no delta touches are returned as the base's own objects). Tensors are
+verified (tensors no delta touches are returned as the base's own objects). A patched tensor
+carries the positions its payloads changed (`RawTensor.changed`, relative to the base
+tensor it was folded from), as the codecs report them while applying. Tensors are
 applied in parallel on the codec tensor pool (`store.codecs.workers`). The changed tensors
 it returns are views of one allocation, freed when the last of them is dropped.
 """
@@ -16,6 +18,7 @@ it returns are views of one allocation, freed when the last of them is dropped.
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -27,7 +30,7 @@ from store.codecs.registry import codec_for_encoding
 from store.codecs.workers import map_tensors
 from store.errors import ChecksumMismatch, CorruptPayload, TensorMismatch
 from store.manifest import INDEX_FILENAME, Manifest
-from store.tensors import RawTensor
+from store.tensors import ChangedElements, RawTensor
 from store.types import VersionKind
 
 
@@ -116,8 +119,13 @@ def fold_chain(
         tensor = base[name]
         buffer = buffers[name]
         np.copyto(buffer, tensor.data)
+        positions: np.ndarray | None = np.empty(0, dtype=np.int64)
         for codec, payload in steps[name]:
-            codec.apply_into(buffer, payload, tensor.itemsize, name)
+            step = codec.apply_into(buffer, payload, tensor.itemsize, name)
+            if positions is None or step is None:
+                positions = None
+            else:
+                positions = np.union1d(positions, step) if positions.size else step
         found = tensor_checksum(buffer)
         if found != final_checksum[name]:
             raise ChecksumMismatch(
@@ -125,7 +133,8 @@ def fold_chain(
                 f"{final_checksum[name]}; a payload is corrupt or the base is not the one "
                 "the chain was encoded against"
             )
-        return RawTensor(tensor.dtype, tensor.shape, buffer)
+        record = None if positions is None else ChangedElements(weakref.ref(tensor), positions)
+        return RawTensor(tensor.dtype, tensor.shape, buffer, record)
 
     # Tensors apply in parallel (numpy, zstd and xxh3 release the GIL); the result keeps the
     # base's order, and the first error is raised before anything is returned.

@@ -167,7 +167,9 @@ class SparseCodec:
         lengths = struct.pack(f"<{len(frames)}Q", *map(len, frames))
         return np.frombuffer(b"".join([header, lengths, *frames]), dtype=np.uint8)
 
-    def apply_into(self, out: np.ndarray, payload: np.ndarray, itemsize: int, name: str) -> None:
+    def apply_into(
+        self, out: np.ndarray, payload: np.ndarray, itemsize: int, name: str
+    ) -> np.ndarray:
         what = f"sparse payload of {name!r}"
         raw = as_buffer(payload if payload.flags.c_contiguous else payload.tobytes())
         if payload.size < _HEADER.size:
@@ -201,7 +203,7 @@ class SparseCodec:
                 f"{lengths_end + sum(lengths)}; it is truncated or corrupt"
             )
         if changed == 0:
-            return
+            return np.empty(0, dtype=np.int64)
         planes = []
         start = lengths_end
         for j, length in enumerate(lengths):
@@ -232,3 +234,4 @@ class SparseCodec:
             bits[positions] = float_unorder(float_order(bits[positions]) + unzigzag(values))
         else:
             bits[positions] = values
+        return positions

@@ -234,13 +234,14 @@ class SparseV2Codec:
             offset += length
         return streams
 
-    def _apply_block(self, bits: np.ndarray, block: memoryview, what: str) -> int:
-        """Patch `bits` (one block of the tensor, as unsigned ints) in place; return k."""
+    def _apply_block(self, bits: np.ndarray, block: memoryview, what: str) -> np.ndarray:
+        """Patch `bits` (one block of the tensor, as unsigned ints) in place; return the
+        block-relative positions it changed (sorted int64)."""
         changed, offset = read_varint(block, 0, what)
         if changed == 0:
             if offset != len(block):
                 raise CorruptPayload(f"{what} has no changes but {len(block)} bytes")
-            return 0
+            return np.empty(0, dtype=np.int64)
         if changed > bits.size or offset + 2 > len(block):
             raise CorruptPayload(f"{what} claims {changed} changes in {bits.size} elements")
         mode, r = block[offset], block[offset + 1]
@@ -294,9 +295,12 @@ class SparseV2Codec:
             bits[positions] ^= join_planes(streams[2:], bits.dtype.itemsize)
         else:
             bits[positions] = join_planes(streams[2:], bits.dtype.itemsize)
-        return changed
+        block_positions: np.ndarray = positions
+        return block_positions
 
-    def apply_into(self, out: np.ndarray, payload: np.ndarray, itemsize: int, name: str) -> None:
+    def apply_into(
+        self, out: np.ndarray, payload: np.ndarray, itemsize: int, name: str
+    ) -> np.ndarray:
         what = f"sparse-v2 payload of {name!r}"
         raw = np.ascontiguousarray(payload, dtype=np.uint8).data.cast("B")
         if len(raw) < 3 or raw[0] != TAG:
@@ -331,11 +335,17 @@ class SparseV2Codec:
             jobs.append((index, raw[offset : offset + length]))
             offset += length
 
-        def apply(job: tuple[int, memoryview]) -> int:
+        def apply(job: tuple[int, memoryview]) -> np.ndarray:
             index, block = job
             start = index * size
-            return self._apply_block(bits[start : start + size], block, f"{what} block {index}")
+            part = bits[start : start + size]
+            positions = self._apply_block(part, block, f"{what} block {index}")
+            positions += start
+            return positions
 
-        applied = sum(map_blocks(apply, jobs))
+        # Blocks come back in order, so the concatenation is sorted.
+        per_block = map_blocks(apply, jobs)
+        applied = sum(p.size for p in per_block)
         if applied != changed:
             raise CorruptPayload(f"{what} declares {changed} changes but its blocks hold {applied}")
+        return np.concatenate(per_block) if per_block else np.empty(0, dtype=np.int64)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,6 +16,7 @@ from engine_agent.precision import (
     calibrate_input_scales,
     convert_checkpoint,
     convert_tensors,
+    fp8_kernel,
     plan_quantization,
     read_input_scales,
 )
@@ -115,6 +117,35 @@ def test_fused_nvfp4_encoding_matches_the_torch_definition_on_every_bf16_value(g
     # scale gives block scale 1): each bound rounds by its own tie rule.
     packed = encode_groups(ties.clone(), torch.tensor(1.0), torch.full((ties.shape[0],), 6.0))[0]
     assert torch.equal(packed, pack_nibbles(e2m1_codes(ties.clamp(-6.0, 6.0))))
+
+
+def fp32_cast_probes() -> torch.Tensor:
+    """fp32 values that exercise every branch of an fp32 → E4M3 cast: each BF16 bit pattern
+    (NaN, ±inf, ±0, subnormals), and for every exponent and 3-bit mantissa the values at,
+    just below and just above each rounding midpoint (ties to even both ways)."""
+    bf16 = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    exponents = torch.arange(0, 256, dtype=torch.int64) << 23
+    mantissas = torch.arange(0, 8, dtype=torch.int64) << 20
+    low = torch.tensor([0, 1, 0x7FFFF, 0x80000, 0x80001, 0xFFFFF], dtype=torch.int64)
+    grid = (exponents[:, None, None] | mantissas[None, :, None] | low[None, None, :]).reshape(-1)
+    grid = torch.cat([grid, grid | (1 << 31)]).to(torch.int64)
+    patterns = torch.where(grid >= 2**31, grid - 2**32, grid).to(torch.int32)
+    return torch.cat([bf16.to(torch.float32), patterns.view(torch.float32)])
+
+
+def test_the_compiled_e4m3_cast_is_torchs_cast_on_every_branch():
+    # Conversion clamps to ±448 before the cast, so only that range (and NaN) is its domain.
+    values = fp32_cast_probes()
+    values = values[values.isnan() | (values.abs() <= 448)]
+    expected = values.to(torch.float8_e4m3fn).view(torch.uint8)
+    found = torch.tensor([int(fp8_kernel.e4m3_code(np.float32(v))) for v in values.numpy()])
+    # E4M3 has one NaN per sign: compare NaN as NaN, every other byte exactly.
+    nan = values.isnan()
+    assert torch.equal(found[~nan], expected[~nan].to(torch.int64))
+    assert bool(((found[nan] & 0x7F) == 0x7F).all())
+    finite = expected[~nan]
+    decoded = torch.tensor([float(fp8_kernel.e4m3_value(np.uint8(c))) for c in finite.tolist()])
+    assert torch.equal(decoded, finite.view(torch.float8_e4m3fn).to(torch.float32))
 
 
 def test_nvfp4_group_error_is_bounded_and_requantization_is_bit_identical():

@@ -1,0 +1,198 @@
+"""Compiled (numba) FP8 block recoding for incremental conversion: one pass per tensor.
+
+Owns `recode_changes`, which patches a converted FP8 tensor (codes, 128×128 tile scales and
+the per-tile thresholds `engine_agent.precision.incremental` keeps) for a sorted list of
+changed element positions, and the scalar E4M3 cast it and the NVFP4 kernel share.
+
+Every number is computed with the fp32 operations `engine_agent.precision.fp8` runs as torch
+ops (IEEE division, clamp to ±448, round-to-nearest-even cast with torch's rules, `amax/448`
+scales), so the bytes equal a full conversion's; tests hold `e4m3_code` to torch's cast.
+Must never decide when a tensor is converted in full, nor allocate per element beyond one
+byte per tile.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+_BLOCK = 128
+_BLOCK_SHIFT = 7
+_E4M3_MAX = np.float32(448.0)
+# The E4M3 byte of +448 with the sign bit masked off: the code only a tile's amax element
+# can hold while its scale is a normal float.
+_E4M3_448 = 0x7E
+# A tile whose amax is below this has a subnormal scale; such tiles are always redone whole.
+_MIN_NORMAL_AMAX = np.float32(2.0**-126 * 448.0)
+# fp32 bit patterns of c10's fp32 → float8_e4m3fn conversion: 480 (from here on the cast
+# gives NaN), 2⁻⁶ (the smallest normal E4M3) and 2¹⁴, whose fp32 addition rounds a value
+# below 2⁻⁶ to its E4M3 subnormal code in the low bits.
+_NAN_FROM = 1087 << 20
+_NORMAL_FROM = 121 << 23
+_DENORM_MAGIC = 141 << 23
+_CHUNK = 4096  # changed elements gathered per step (their scratch stays in L1)
+_jit = numba.njit(cache=True, nogil=True)
+
+
+@intrinsic
+def _f32_bits(typingctx: Any, value: Any) -> Any:
+    """The bits of an fp32 as uint32: an LLVM bitcast, no memory round trip."""
+    if value != types.float32:
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.uint32(types.float32), codegen
+
+
+@intrinsic
+def _bits_f32(typingctx: Any, bits: Any) -> Any:
+    """The fp32 whose bits are a uint32."""
+    if bits != types.uint32:
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.uint32), codegen
+
+
+@_jit
+def e4m3_code(value: np.float32) -> np.uint8:
+    """The float8_e4m3fn byte torch's cast gives an fp32 value in [-448, 448] or NaN:
+    nearest-even, subnormals rounded through c10's fp32 addition, NaN as 0x7F with its sign.
+    Callers clamp first (torch's build saturates beyond 448 where c10 gives NaN)."""
+    bits = np.int64(_f32_bits(value))
+    sign = bits & 0x80000000
+    magnitude = bits ^ sign
+    if magnitude >= _NAN_FROM:
+        code = 0x7F
+    elif magnitude < _NORMAL_FROM:
+        magic = _bits_f32(np.uint32(_DENORM_MAGIC))
+        summed = np.int64(_f32_bits(_bits_f32(np.uint32(magnitude)) + magic))
+        code = (summed - _DENORM_MAGIC) & 0xFF
+    else:
+        odd = (magnitude >> 20) & 1
+        code = ((magnitude + ((7 - 127) << 23) + 0x7FFFF + odd) >> 20) & 0xFF
+    return np.uint8(code | (sign >> 24))
+
+
+@_jit
+def e4m3_value(code: np.uint8) -> np.float32:
+    """fp32 value of a non-NaN float8_e4m3fn byte (exact)."""
+    exponent = (code >> 3) & 0xF
+    mantissa = np.float32(code & 7)
+    if exponent == 0:
+        value = mantissa * np.float32(2.0**-9)
+    else:
+        value = (np.float32(1.0) + mantissa / np.float32(8.0)) * np.float32(2.0 ** (exponent - 7))
+    return -value if code & 0x80 else value
+
+
+@_jit
+def bf16_value(bits: np.uint16) -> np.float32:
+    return _bits_f32(np.uint32(np.uint32(bits) << 16))
+
+
+@_jit
+def _encode(value: np.float32, scale: np.float32) -> np.uint8:
+    y = value / scale
+    if y == y:  # torch's clamp keeps NaN
+        y = min(max(y, -_E4M3_MAX), _E4M3_MAX)
+    return e4m3_code(y)
+
+
+@_jit
+def _redo_tile(
+    weight: np.ndarray,
+    rows: int,
+    cols: int,
+    tile: int,
+    tiles_per_row: int,
+    q: np.ndarray,
+    scale: np.ndarray,
+    threshold: np.ndarray,
+) -> None:
+    r0 = (tile // tiles_per_row) * _BLOCK
+    c0 = (tile % tiles_per_row) * _BLOCK
+    r1 = min(r0 + _BLOCK, rows)
+    c1 = min(c0 + _BLOCK, cols)
+    amax = np.float32(0.0)
+    for r in range(r0, r1):
+        for c in range(c0, c1):
+            a = abs(bf16_value(weight[r * cols + c]))
+            if a > amax or a != a:
+                amax = a
+    s = amax / _E4M3_MAX if amax > 0 else np.float32(1.0)
+    scale[tile] = s
+    normal = amax >= _MIN_NORMAL_AMAX and amax < np.inf
+    threshold[tile] = amax if normal or amax == 0 else np.float32(-1.0)
+    for r in range(r0, r1):
+        for c in range(c0, c1):
+            q[r * cols + c] = _encode(bf16_value(weight[r * cols + c]), s)
+
+
+@_jit
+def _recode_changes(
+    weight: np.ndarray,
+    rows: int,
+    cols: int,
+    positions: np.ndarray,
+    q: np.ndarray,
+    scale: np.ndarray,
+    threshold: np.ndarray,
+) -> int:
+    tiles_per_row = scale.size // max(1, (rows + _BLOCK - 1) // _BLOCK)
+    redo = np.zeros(scale.size, np.uint8)
+    bits = np.empty(_CHUNK, np.uint16)
+    old = np.empty(_CHUNK, np.uint8)
+    for start in range(0, positions.size, _CHUNK):
+        stop = min(start + _CHUNK, positions.size)
+        # Gather first: independent loads overlap their cache misses, which the recoding
+        # loop (a dependent chain per element) would otherwise wait for one by one.
+        for i in range(start, stop):
+            p = positions[i]
+            if p < 0 or p >= weight.size:
+                raise IndexError("a changed position lies outside the tensor")
+            bits[i - start] = weight[p]
+            old[i - start] = q[p]
+        for i in range(start, stop):
+            p = positions[i]
+            r = p // cols
+            tile = (r >> _BLOCK_SHIFT) * tiles_per_row + ((p - r * cols) >> _BLOCK_SHIFT)
+            if redo[tile]:
+                continue
+            value = bf16_value(bits[i - start])
+            # `not <=` so that a NaN (outside the contract) still redoes its tile; a code
+            # of ±448 may have been the tile's amax element, which can move the scale down.
+            if not abs(value) <= threshold[tile] or (old[i - start] & 0x7F) == _E4M3_448:
+                redo[tile] = 1
+                continue
+            q[p] = _encode(value, scale[tile])
+    redone = 0
+    for tile in range(scale.size):
+        if redo[tile]:
+            _redo_tile(weight, rows, cols, tile, tiles_per_row, q, scale, threshold)
+            redone += 1
+    return redone
+
+
+def recode_changes(
+    weight: np.ndarray,
+    shape: tuple[int, int],
+    positions: np.ndarray,
+    q: np.ndarray,
+    scale: np.ndarray,
+    threshold: np.ndarray,
+) -> int:
+    """Patch FP8 codes `q` (uint8, flat), tile scales and thresholds (fp32, flat) in place
+    for BF16 `weight` (uint16 bits, flat, shape `shape`) whose elements at the sorted flat
+    `positions` changed; return how many tiles were requantized whole."""
+    rows, cols = shape
+    return int(_recode_changes(weight, rows, cols, positions, q, scale, threshold))
