@@ -9,7 +9,11 @@ default), then for each precision:
   previous one with `IncrementalConverter`. The effective rate is BF16 bytes of the
   quantized weights divided by the wall time of the incremental conversion, with the
   changed positions given (as the fold knows them) and, separately, with the positions
-  found by diffing the two versions' bits (what the agent's stager does today);
+  found by diffing the two versions' bits (what the agent's stager does when the fold did
+  not patch from the very tensors it converted last);
+- at 0.25%, the agent's own path: the new version folded from a real `sparse` delta and
+  converted by the stager's `VersionConverter`, which takes the positions from the fold
+  (one run, after a full conversion of the previous version);
 - converts every version in full again and compares every tensor's bytes and the config
   files: `bitwise_identical` must be true.
 
@@ -26,6 +30,7 @@ from functools import partial
 from typing import Any
 
 DENSITIES = (0.001, 0.0025, 0.01, 0.05)
+AGENT_DENSITY = 0.0025  # the agent's whole convert path (fold positions) is measured here
 
 
 def qwen3_shapes(
@@ -124,6 +129,28 @@ def _diff(old: dict, new: dict) -> dict:
     }
 
 
+def _agent_path(
+    precision: str, old: dict, new: dict, config: dict, scales: dict | None
+) -> tuple[float, float, int]:
+    """(CPU s, wall s, tensors whose positions came from the fold) of the agent's stager
+    converting `new` after `old`: `new` is folded from a real `sparse` delta, and the
+    `VersionConverter` takes the changed positions from the fold instead of diffing."""
+    from engine_agent.precision.incremental import VersionConverter
+    from store.codecs import encode_version, fold
+    from store.torch_bridge import to_raw
+
+    raw_old = {name: to_raw(t) for name, t in old.items()}
+    delta = encode_version(
+        {name: to_raw(t) for name, t in new.items()}, raw_old, version=1, base_version=0,
+        codec="sparse",
+    )  # fmt: skip
+    folded = fold(raw_old, [delta])
+    converter = VersionConverter(precision)
+    converter.convert(raw_old, config, scales)  # the full conversion of the previous version
+    cpu, wall = _best_of(1, partial(converter.convert, folded, config, scales))
+    return cpu, wall, converter.positions_from_fold
+
+
 def _identical(a: tuple, b: tuple) -> bool:
     import torch
 
@@ -208,6 +235,21 @@ def run(
             rate = weight_bytes / incremental_s / 1e9
             with_diff = weight_bytes / (incremental_s + diff_s) / 1e9
             key = f"{density * 100:g}".replace(".", "_")
+            if density == AGENT_DENSITY:
+                with console.status(f"{precision}: the agent's path at {density:.2%}"):
+                    agent_s, agent_wall, from_fold = _agent_path(
+                        precision, tensors, new, config, scales
+                    )
+                agent_rate = weight_bytes / agent_s / 1e9
+                figures[f"agent_{precision}_gb_s_at_{key}pct"] = round(agent_rate, 3)
+                figures[f"agent_{precision}_gb_s_wall_at_{key}pct"] = round(
+                    weight_bytes / agent_wall / 1e9, 3
+                )
+                figures[f"agent_{precision}_tensors_positions_from_fold"] = from_fold
+                table.add_row(
+                    precision, "  agent (fold positions)", f"{density:.2%}", f"{agent_s:.3f}",
+                    f"{agent_rate:.2f}", f"{agent_rate / full_rate:.1f}x",
+                )  # fmt: skip
             figures[f"incremental_{precision}_gb_s_at_{key}pct"] = round(rate, 3)
             figures[f"incremental_{precision}_with_diff_gb_s_at_{key}pct"] = round(with_diff, 3)
             figures[f"incremental_{precision}_gb_s_wall_at_{key}pct"] = round(

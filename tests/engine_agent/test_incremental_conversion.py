@@ -271,3 +271,112 @@ def test_a_stager_without_incremental_conversion_converts_every_version_in_full(
     stager = Stager(tmp_path, "fp8", tiny.bf16, incremental=False)
     stager.stage(0, v0)
     assert stager.stage(1, training_step(v0, seed=1, fraction=0.01)).conversion.startswith("full")
+
+
+# -- positions from the fold, the amax holders, the torch fallback -----------------------
+
+
+def raw(tensors: dict[str, torch.Tensor]) -> dict:
+    from store.torch_bridge import to_raw
+
+    return {name: to_raw(t) for name, t in tensors.items()}
+
+
+@pytest.mark.parametrize("codec", ["xor", "sparse"])
+@pytest.mark.parametrize("precision", ["fp8", "nvfp4"])
+def test_the_version_converter_takes_changed_positions_from_the_fold_not_a_diff(
+    precision: str, codec: str
+) -> None:
+    from engine_agent.precision.incremental import VersionConverter
+    from store.codecs import encode_version, fold
+
+    scales = input_scales() if precision == "nvfp4" else None
+    rng = np.random.default_rng(4)
+    v0 = checkpoint()
+    v1 = {name: t.clone() for name, t in v0.items()}
+    apply_update(v1, "random", "model.layers.0.mlp.up_proj.weight", 40, rng)
+    apply_update(v1, "global_max", "model.layers.0.self_attn.q_proj.weight", 1, rng)
+    v2 = {name: t.clone() for name, t in v1.items()}
+    apply_update(v2, "tile_max_down", "model.layers.0.mlp.down_proj.weight", 3, rng)
+    raw0, raw1, raw2 = raw(v0), raw(v1), raw(v2)
+    deltas = [
+        encode_version(raw1, raw0, version=1, base_version=0, codec=codec),
+        encode_version(raw2, raw1, version=2, base_version=1, codec=codec),
+    ]
+    converter = VersionConverter(precision)
+    converter.convert(raw0, CONFIG, scales)
+    folded = fold(raw0, deltas[:1])
+    result = converter.convert(folded, CONFIG, scales)
+    assert not result[3].full and converter.positions_from_fold == 2
+    assert_identical_to_full(result, v1, precision, scales)
+    # A chain folded in one pass reports the union of its deltas' positions.
+    converter = VersionConverter(precision)
+    converter.convert(raw0, CONFIG, scales)
+    result = converter.convert(fold(raw0, deltas), CONFIG, scales)
+    assert not result[3].full and converter.positions_from_fold == 3
+    assert_identical_to_full(result, v2, precision, scales)
+
+
+def test_positions_folded_against_another_copy_of_the_base_are_not_trusted() -> None:
+    from engine_agent.precision.incremental import VersionConverter
+    from store.codecs import encode_version, fold
+
+    rng = np.random.default_rng(5)
+    v0 = checkpoint()
+    v1 = {name: t.clone() for name, t in v0.items()}
+    apply_update(v1, "random", "model.layers.0.mlp.up_proj.weight", 40, rng)
+    converter = VersionConverter("fp8")
+    converter.convert(raw(v0), CONFIG)
+    # Folded from equal bytes, but not from the tensors the converter converted last.
+    delta = encode_version(raw(v1), raw(v0), version=1, base_version=0, codec="xor")
+    result = converter.convert(fold(raw(v0), [delta]), CONFIG)
+    assert not result[3].full and converter.positions_from_fold == 0
+    assert_identical_to_full(result, v1, "fp8", None)
+
+
+@pytest.mark.parametrize("ties_changed", [1, 2])
+def test_a_global_amax_held_twice_survives_one_holder_moving_down(ties_changed: int) -> None:
+    scales = input_scales()
+    tensors = checkpoint()
+    q, k = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"
+    tensors[q][7, 9] = 0.5  # the fused q/k/v group's amax, held by two elements
+    tensors[k][2, 130] = -0.5
+    converter = IncrementalConverter("nvfp4")
+    converter.convert(tensors, CONFIG, None, scales)
+    new = {name: t.clone() for name, t in tensors.items()}
+    new[q][7, 9] = 0.25
+    if ties_changed == 2:
+        new[k][2, 130] = 0.125
+    result = converter.convert(new, CONFIG, diff(tensors, new), scales)
+    # With one holder left the amax stands; with none it fell and the group is redone.
+    assert result[3].groups_converted_in_full == ties_changed - 1
+    assert_identical_to_full(result, new, "nvfp4", scales)
+    # And a change that lands exactly on the amax becomes a holder itself.
+    newer = {name: t.clone() for name, t in new.items()}
+    newer[q][0, 0] = 0.5 if ties_changed == 1 else 0.125
+    newer[k][2, 130] = 0.0
+    result = converter.convert(newer, CONFIG, diff(new, newer), scales)
+    assert result[3].groups_converted_in_full == 0
+    assert_identical_to_full(result, newer, "nvfp4", scales)
+
+
+@pytest.mark.parametrize("precision", ["fp8", "nvfp4"])
+def test_without_the_compiled_kernels_the_torch_path_writes_the_same_bytes(
+    precision: str, monkeypatch
+) -> None:
+    from engine_agent.precision import incremental
+
+    monkeypatch.setattr(incremental, "_fp8_kernel", None)
+    monkeypatch.setattr(incremental, "_nvfp4_kernel", None)
+    scales = input_scales() if precision == "nvfp4" else None
+    rng = np.random.default_rng(6)
+    converter = IncrementalConverter(precision)
+    tensors = checkpoint()
+    converter.convert(tensors, CONFIG, None, scales)
+    for kind in KINDS:
+        new = {name: t.clone() for name, t in tensors.items()}
+        apply_update(new, kind, "model.layers.0.mlp.gate_proj.weight", 12, rng)
+        result = converter.convert(new, CONFIG, diff(tensors, new), scales)
+        assert not result[3].full
+        assert_identical_to_full(result, new, precision, scales)
+        tensors = new

@@ -103,7 +103,8 @@ def test_tether_reads_a_hand_built_payload_with_eight_byte_gaps():
     payload = struct.pack("<4sBBBBQQ", b"TSP1", w, 0, g, 0, len(old), k)
     payload += struct.pack(f"<{g + w}Q", *map(len, streams)) + b"".join(streams)
     out = np.array(old, dtype=np.uint8)
-    SparseCodec().apply_into(out, np.frombuffer(payload, np.uint8), 1, "hand-built")
+    changed = SparseCodec().apply_into(out, np.frombuffer(payload, np.uint8), 1, "hand-built")
+    assert changed.tolist() == positions
     expected = list(old)
     for p, v in zip(positions, values, strict=True):
         expected[p] = v

@@ -39,7 +39,9 @@ def round_trip(codec: SparseV2Codec, new: RawTensor, old: RawTensor) -> np.ndarr
     payload = codec.encode_tensor(new, old)
     out = old.data.copy()
     if payload is not None:
-        codec.apply_into(out, payload, new.itemsize, "t")
+        changed = codec.apply_into(out, payload, new.itemsize, "t")
+        # It reports exactly the elements that differ, in order.
+        assert changed.tolist() == np.flatnonzero(new.bits() != old.bits()).tolist()
     return out
 
 

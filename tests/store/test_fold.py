@@ -35,6 +35,31 @@ def test_fold_of_a_chain_equals_applying_each_delta_and_equals_the_target(data, 
     folded = fold(checkpoints[0], deltas)
     assert same_bits(folded, one_by_one)
     assert same_bits(folded, checkpoints[-1])
+    for name, tensor in folded.items():
+        base = checkpoints[0][name]
+        if tensor is base:
+            continue
+        # A patched tensor says where it may differ from the base it was folded from.
+        assert tensor.changed is not None
+        positions = tensor.changed.relative_to(base)
+        assert positions is not None and np.all(np.diff(positions) > 0)
+        differing = np.flatnonzero(tensor.bits() != base.bits())
+        assert set(differing.tolist()) <= set(positions.tolist())
+        assert tensor.changed.relative_to(RawTensor(base.dtype, base.shape, base.data)) is None
+
+
+def test_the_changes_a_fold_records_never_keep_its_base_alive():
+    import gc
+    import weakref
+
+    cps = small_chain(2)
+    base = {"a": RawTensor("BF16", (50,), cps[0]["a"].data.copy())}
+    folded = fold(base, encode_chain(cps, ["xor"]))
+    alive = weakref.ref(base["a"])
+    del base
+    gc.collect()
+    assert alive() is None
+    assert folded["a"].changed is not None and folded["a"].changed.base() is None
 
 
 def small_chain(n: int = 4) -> list[dict[str, RawTensor]]:
