@@ -112,6 +112,11 @@ class Stager:
         self._input_scales = scales
         return scales
 
+    @property
+    def positions_from_fold(self) -> int:
+        """Tensors whose changed positions the fold reported (not diffed), since start."""
+        return self._converter.positions_from_fold
+
     def folder_for(self, version: int) -> Path:
         return self.root / f"v{version:06d}-{self.precision}"
 

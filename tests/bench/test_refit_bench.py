@@ -44,5 +44,6 @@ def test_refit_bench_at_fp8_shows_conversion_with_and_without_incremental(
     )  # fmt: skip
     figures = json.loads(done.stdout.strip().splitlines()[-1])
     assert figures["incremental_conversion"] == "incremental"
+    assert figures["convert_positions_from_fold"] > 0  # the stager did not diff the versions
     assert figures["staged_identical"] is True
     assert figures["convert_incremental_s"] > 0 and figures["convert_full_s"] > 0
