@@ -83,16 +83,27 @@ def e4m3_code(value: np.float32) -> np.uint8:
     return np.uint8(code | (sign >> 24))
 
 
+def _e4m3_table() -> np.ndarray:
+    """fp32 value of every float8_e4m3fn byte (NaN for 0x7F/0xFF), exact."""
+    table = np.empty(256, np.float32)
+    for code in range(256):
+        exponent, mantissa = (code >> 3) & 0xF, code & 7
+        if exponent == 0:
+            value = mantissa * 2.0**-9
+        else:
+            value = (1 + mantissa / 8) * 2.0 ** (exponent - 7)
+        table[code] = np.nan if code & 0x7F == 0x7F else (-value if code & 0x80 else value)
+    return table
+
+
+# A table rather than arithmetic: `2.0 ** e` in the inner loop cost ~20 ns per group.
+_E4M3_VALUES = _e4m3_table()
+
+
 @_jit
 def e4m3_value(code: np.uint8) -> np.float32:
-    """fp32 value of a non-NaN float8_e4m3fn byte (exact)."""
-    exponent = (code >> 3) & 0xF
-    mantissa = np.float32(code & 7)
-    if exponent == 0:
-        value = mantissa * np.float32(2.0**-9)
-    else:
-        value = (np.float32(1.0) + mantissa / np.float32(8.0)) * np.float32(2.0 ** (exponent - 7))
-    return -value if code & 0x80 else value
+    """fp32 value of a float8_e4m3fn byte (exact)."""
+    return _E4M3_VALUES[code]
 
 
 @_jit

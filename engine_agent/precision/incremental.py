@@ -440,10 +440,10 @@ class IncrementalConverter:
             self._nvfp4_group_full(state, entry, weights)
             return 1
         for module, (_, update) in updates.items():
-            packed = state.out[f"{module}.weight"].view(-1, nvfp4.GROUP // 2).numpy()
-            packed[update.groups] = update.codes
-            scale_bytes = state.out[f"{module}.weight_scale"].view(-1).view(torch.uint8).numpy()
-            scale_bytes[update.groups] = update.scales
+            update.write(
+                state.out[f"{module}.weight"].view(-1).numpy(),
+                state.out[f"{module}.weight_scale"].view(-1).view(torch.uint8).numpy(),
+            )
         entry.holders = holders
         return 0
 

@@ -48,7 +48,7 @@ def _group_amax_py(values: np.ndarray, out: np.ndarray) -> None:
         out[g] = m
 
 
-@_jit
+@numba.njit(cache=True, nogil=True, inline="always")
 def _pack_group(y: np.ndarray, codes: np.ndarray, out: np.ndarray) -> None:
     """Pack the E2M1 codes of 16 quotients `y` (fp32) into the 8 bytes `out`.
 
@@ -123,11 +123,12 @@ def _recode_groups(
             old_max_scale |= (old_scales[groups[j]] & 0x7F) == 0x7E
         for j in range(start, stop):
             values = gathered[j - start]
-            amax = np.float32(0.0)
+            # max |x| as the largest magnitude bit pattern: BF16 magnitudes order as their
+            # bits do, and a NaN's bits exceed every number's (NaN wins, as in torch).
+            top = 0
             for i in range(_GROUP):
-                a = abs(bf16_value(values[i]))
-                if a > amax or a != a:
-                    amax = a
+                top = max(top, values[i] & 0x7FFF)
+            amax = bf16_value(np.uint16(top))
             if amax > largest or amax != amax:
                 largest = amax
             # `nvfp4.group_scales`: amax/(6·scale_2), 1.0 for a zero group, clamped, cast.
@@ -148,6 +149,18 @@ def _recode_groups(
     return groups, codes, scales, largest, old_max_scale, holders[:held]
 
 
+@_jit
+def _write_groups(
+    packed: np.ndarray, scale_bytes: np.ndarray, update_groups: np.ndarray, codes: np.ndarray,
+    scales: np.ndarray,
+) -> None:  # fmt: skip
+    for j in range(update_groups.size):
+        g = update_groups[j]
+        scale_bytes[g] = scales[j]
+        for i in range(_GROUP // 2):
+            packed[g * (_GROUP // 2) + i] = codes[j, i]
+
+
 @dataclass(frozen=True)
 class GroupUpdate:
     """New codes and scales of the 16-element groups holding a change, not yet written."""
@@ -158,6 +171,10 @@ class GroupUpdate:
     amax: float  # max |x| over the changed groups
     old_scale_was_448: bool  # a changed group's previous scale was 448
     new_holders: np.ndarray  # int64: changed positions whose |x| now equals `holder_bits`'
+
+    def write(self, packed: np.ndarray, scale_bytes: np.ndarray) -> None:
+        """Store the codes and scales into a tensor's flat packed bytes and scale bytes."""
+        _write_groups(packed, scale_bytes, self.groups, self.codes, self.scales)
 
 
 def recode_groups(
