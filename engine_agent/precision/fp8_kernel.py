@@ -40,7 +40,7 @@ _jit = numba.njit(cache=True, nogil=True)
 
 
 @intrinsic
-def _f32_bits(typingctx: Any, value: Any) -> Any:
+def _f32_bits_ir(typingctx: Any, value: Any) -> Any:
     """The bits of an fp32 as uint32: an LLVM bitcast, no memory round trip."""
     if value != types.float32:
         return None
@@ -52,7 +52,7 @@ def _f32_bits(typingctx: Any, value: Any) -> Any:
 
 
 @intrinsic
-def _bits_f32(typingctx: Any, bits: Any) -> Any:
+def _bits_f32_ir(typingctx: Any, bits: Any) -> Any:
     """The fp32 whose bits are a uint32."""
     if bits != types.uint32:
         return None
@@ -61,6 +61,11 @@ def _bits_f32(typingctx: Any, bits: Any) -> Any:
         return builder.bitcast(args[0], ir.FloatType())
 
     return types.float32(types.uint32), codegen
+
+
+# Typed as Any: the intrinsics' Python signatures (with `typingctx`) are not their call's.
+_f32_bits: Any = _f32_bits_ir
+_bits_f32: Any = _bits_f32_ir
 
 
 @_jit
@@ -72,7 +77,7 @@ def e4m3_code(value: np.float32) -> np.uint8:
     sign = bits & 0x80000000
     magnitude = bits ^ sign
     if magnitude >= _NAN_FROM:
-        code = 0x7F
+        code = np.int64(0x7F)
     elif magnitude < _NORMAL_FROM:
         magic = _bits_f32(np.uint32(_DENORM_MAGIC))
         summed = np.int64(_f32_bits(_bits_f32(np.uint32(magnitude)) + magic))
@@ -103,12 +108,14 @@ _E4M3_VALUES = _e4m3_table()
 @_jit
 def e4m3_value(code: np.uint8) -> np.float32:
     """fp32 value of a float8_e4m3fn byte (exact)."""
-    return _E4M3_VALUES[code]
+    value: np.float32 = _E4M3_VALUES[code]
+    return value
 
 
 @_jit
 def bf16_value(bits: np.uint16) -> np.float32:
-    return _bits_f32(np.uint32(np.uint32(bits) << 16))
+    value: np.float32 = _bits_f32(np.uint32(np.uint32(bits) << 16))
+    return value
 
 
 @_jit

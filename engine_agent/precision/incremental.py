@@ -316,7 +316,7 @@ class IncrementalConverter:
             entry.threshold.copy_(_fp8_threshold(fp8.block_amax(weight)))
             return int(entry.scale.numel())
         if _fp8_kernel is not None:
-            return _fp8_kernel.recode_changes(
+            redone: int = _fp8_kernel.recode_changes(
                 weight.view(-1).view(torch.int16).numpy().view(np.uint16),
                 (weight.shape[0], cols),
                 positions,
@@ -324,6 +324,7 @@ class IncrementalConverter:
                 entry.scale.view(-1).numpy(),
                 entry.threshold.numpy(),
             )
+            return redone
         block = fp8.BLOCK
         tiles_per_row = entry.scale.shape[1]
         row, col = np.divmod(positions, cols)

@@ -285,7 +285,9 @@ class SparseV2Codec:
                 raise CorruptPayload(f"{what} places a magnitude past its last change")
             if error != OK:
                 raise CorruptPayload(f"{what} places a change past the end of its block")
-            return changed
+            # The kernel walked the positions without storing them; the caller wants them.
+            step_positions: np.ndarray = np.cumsum(gaps.view(np.int64) + 1) - 1
+            return step_positions
         if int(gaps.max()) >= bits.size:
             raise CorruptPayload(f"{what} places a change past the end of its block")
         positions = np.cumsum(gaps.view(np.int64) + 1) - 1
