@@ -109,6 +109,8 @@ def _recode_groups(
     largest = np.float32(0.0)
     old_max_scale = False
     gathered = np.empty((_CHUNK, _GROUP), np.uint16)
+    holders = np.empty(_GROUP, np.int64)  # grows below; almost always stays empty
+    held = 0
     y = np.empty(_GROUP, np.float32)
     pack_scratch = np.empty(_GROUP, np.uint8)
     for start in range(0, count, _CHUNK):
@@ -129,6 +131,16 @@ def _recode_groups(
             for i in range(_GROUP):
                 top = max(top, values[i] & 0x7FFF)
             amax = bf16_value(np.uint16(top))
+            if top == holder_bits:
+                # Elements of a changed group that equal the global amax hold it now.
+                for i in range(_GROUP):
+                    if (values[i] & 0x7FFF) == holder_bits:
+                        if held == holders.size:
+                            grown = np.empty(2 * held, np.int64)
+                            grown[:held] = holders
+                            holders = grown
+                        holders[held] = groups[j] * _GROUP + i
+                        held += 1
             if amax > largest or amax != amax:
                 largest = amax
             # `nvfp4.group_scales`: amax/(6·scale_2), 1.0 for a zero group, clamped, cast.
@@ -139,13 +151,6 @@ def _recode_groups(
             for i in range(_GROUP):
                 y[i] = bf16_value(values[i]) / divisor
             _pack_group(y, pack_scratch, codes[j])
-    # Changed elements now equal to the global amax: they hold it from now on.
-    holders = np.empty(positions.size, np.int64)
-    held = 0
-    for i in range(positions.size):
-        if (weight[positions[i]] & 0x7FFF) == holder_bits:
-            holders[held] = positions[i]
-            held += 1
     return groups, codes, scales, largest, old_max_scale, holders[:held]
 
 
@@ -170,7 +175,8 @@ class GroupUpdate:
     scales: np.ndarray  # uint8 [G]: float8_e4m3fn bytes of the group scales
     amax: float  # max |x| over the changed groups
     old_scale_was_448: bool  # a changed group's previous scale was 448
-    new_holders: np.ndarray  # int64: changed positions whose |x| now equals `holder_bits`'
+    # int64, sorted: elements of the changed groups whose |x| has the bits `holder_bits`
+    new_holders: np.ndarray
 
     def write(self, packed: np.ndarray, scale_bytes: np.ndarray) -> None:
         """Store the codes and scales into a tensor's flat packed bytes and scale bytes."""
