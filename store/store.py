@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -141,6 +141,35 @@ class VerifyReport:
     @property
     def ok(self) -> bool:
         return not self.problems
+
+
+class CompleteVersions(Collection[int]):
+    """A run's complete versions, each looked up when it is asked about.
+
+    A catch-up walks one chain (target back to `have` or an anchor), so it reads those
+    versions' indexes only: listing every version of the run would cost each agent a read
+    per version of the run's history at every catch-up, which grows with the run (and with
+    the fleet, every agent doing it). Iterating (for an error message) lists them all.
+    """
+
+    def __init__(self, store: Store, run_id: str) -> None:
+        self._store = store
+        self._run_id = run_id
+        self._infos: dict[int, StoredVersion] = {}
+
+    def info(self, version: int) -> StoredVersion:
+        if version not in self._infos:
+            self._infos[version] = self._store._version_info(VersionRef(self._run_id, version))
+        return self._infos[version]
+
+    def __contains__(self, version: object) -> bool:
+        return isinstance(version, int) and version >= 0 and self.info(version).complete
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._store.list_versions(self._run_id))
+
+    def __len__(self) -> int:
+        return len(self._store.list_versions(self._run_id))
 
 
 class Store:
@@ -452,14 +481,14 @@ class Store:
         """Versions to fetch to reach `target`: from `have` if its chain leads there, else
         from the nearest FULL anchor at or below `target`, then the deltas in order."""
         validate_version(target, "target")
-        infos = {info.ref.version: info for info in self.version_infos(run_id) if info.complete}
+        available = CompleteVersions(self, run_id)
 
         def describe(version: int) -> tuple[VersionKind, int | None]:
-            manifest = infos[version].manifest
+            manifest = available.info(version).manifest
             assert manifest is not None  # complete versions have one
             return manifest.kind, manifest.base_version
 
-        return plan_catch_up(run_id, target, available=infos, describe=describe, have=have)
+        return plan_catch_up(run_id, target, available=available, describe=describe, have=have)
 
     def materialize(
         self,

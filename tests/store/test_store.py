@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from store.errors import (
 )
 from store.layout import validate_file_name
 from store.manifest import INDEX_FILENAME
+from store.objects.local import LocalObjects
 from store.store import Store
 from store.tensors import RawTensor
 from store.types import VersionKind, VersionRef
@@ -188,3 +190,37 @@ def test_a_stitch_run_without_run_json_is_readable(store: Store) -> None:
 def test_unsupported_store_urls_are_refused(url: str) -> None:
     with pytest.raises(InvalidName):
         Store(url)
+
+
+class ReadsRecorded(LocalObjects):
+    """The folder adapter, recording the key of every object read (an instrument)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.read: list[str] = []
+
+    def get(self, key: str) -> bytes:
+        self.read.append(key)
+        return super().get(key)
+
+
+def test_a_catch_up_plan_reads_the_chain_it_walks_not_the_runs_whole_history(
+    tmp_path: Path,
+) -> None:
+    objects = ReadsRecorded(tmp_path / "store")
+    store = Store(str(tmp_path / "store"), objects=objects)
+    publish_chain(store, "long", "FDDDDDDDDDDDDDDDFDDD")  # 20 versions, anchors at 0 and 16
+
+    objects.read.clear()
+    plan = store.plan_catch_up("long", 19, have=18)
+    assert plan.from_have and plan.downloads == (19,)
+    assert objects.read == [f"long/updates/weight_v000019/{INDEX_FILENAME}"], (
+        "only the target's index is read"
+    )
+
+    objects.read.clear()
+    plan = store.plan_catch_up("long", 19)  # no base held: back to the anchor at 16
+    assert plan.downloads == (16, 17, 18, 19)
+    assert sorted(objects.read) == [
+        f"long/updates/weight_v{v:06d}/{INDEX_FILENAME}" for v in (16, 17, 18, 19)
+    ]
