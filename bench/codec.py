@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING, TypeVar
 import numpy as np
 import typer
 
+from bench.figures import significant
+
 if TYPE_CHECKING:
     from store.cache import VersionFiles
 
@@ -366,7 +368,7 @@ def catchup_stages(
     finally:
         torch.set_num_threads(torch_threads)
     return {
-        f"{stage}_gb_s": round(full / max(seconds, 1e-9) / 1e9, 3)
+        f"{stage}_gb_s": significant(full / max(seconds, 1e-9) / 1e9)
         for stage, seconds in (
             ("fetch", t_fetch),
             ("fold_verify", t_fold),
@@ -386,8 +388,8 @@ def _quantized_worst(cases: list[Case]) -> dict[str, float]:
         "quantized_worst_sparse_over_entropy": round(
             max(c.sparse_over_entropy for c in quantized), 4
         ),
-        "quantized_min_encode_gb_s": round(min(c.encode_gb_s for c in quantized), 3),
-        "quantized_min_decode_gb_s": round(min(c.decode_gb_s for c in quantized), 3),
+        "quantized_min_encode_gb_s": significant(min(c.encode_gb_s for c in quantized)),
+        "quantized_min_decode_gb_s": significant(min(c.decode_gb_s for c in quantized)),
     }
 
 
@@ -500,15 +502,14 @@ def run(
         "params": n_params,
         "worst_sparse_over_xor": round(max(c.sparse_over_xor for c in targeted), 4),
         "worst_sparse_over_entropy": round(max(c.sparse_over_entropy for c in targeted), 4),
-        "min_encode_gb_s": round(min(c.encode_gb_s for c in targeted), 3),
-        "min_decode_gb_s": round(min(c.decode_gb_s for c in targeted), 3),
-        "two_core_speedup": round(
+        "min_encode_gb_s": significant(min(c.encode_gb_s for c in targeted)),
+        "min_decode_gb_s": significant(min(c.decode_gb_s for c in targeted)),
+        "two_core_speedup": significant(
             min(
                 speedup.get("two_core_speedup_encode", 0), speedup.get("two_core_speedup_decode", 0)
-            ),
-            3,
+            )
         ),
-        **{k: round(v, 3) for k, v in speedup.items()},
+        **{k: significant(v) for k, v in speedup.items()},
         "speedup_density": speed_pair[0] if speed_pair else None,
         **_quantized_worst(cases),
         "convert_fp8_gb_s": stage_rates.get("convert_fp8_gb_s"),
@@ -521,7 +522,7 @@ def run(
                 "name": c.name,
                 "kind": c.kind,
                 **{
-                    k: (round(v, 5) if isinstance(v, float) else v)
+                    k: (significant(v, 5) if isinstance(v, float) else v)
                     for k, v in vars(c).items()
                     if k not in ("name", "kind")
                 },

@@ -29,6 +29,8 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+from bench.figures import significant
+
 DENSITIES = (0.001, 0.0025, 0.01, 0.05)
 AGENT_DENSITY = 0.0025  # the agent's whole convert path (fold positions) is measured here
 
@@ -209,8 +211,8 @@ def run(
             )
             converter.convert(v0, config, None, scales)
         full_rate = weight_bytes / full_s / 1e9
-        figures[f"full_{precision}_gb_s"] = round(full_rate, 3)
-        figures[f"full_{precision}_gb_s_wall"] = round(weight_bytes / full_wall / 1e9, 3)
+        figures[f"full_{precision}_gb_s"] = significant(full_rate)
+        figures[f"full_{precision}_gb_s_wall"] = significant(weight_bytes / full_wall / 1e9)
         figures["weight_bytes"] = weight_bytes
         table.add_row(precision, "full", "-", f"{full_s:.2f}", f"{full_rate:.3f}", "1.0x")
         tensors = v0
@@ -241,22 +243,22 @@ def run(
                         precision, tensors, new, config, scales
                     )
                 agent_rate = weight_bytes / agent_s / 1e9
-                figures[f"agent_{precision}_gb_s_at_{key}pct"] = round(agent_rate, 3)
-                figures[f"agent_{precision}_gb_s_wall_at_{key}pct"] = round(
-                    weight_bytes / agent_wall / 1e9, 3
+                figures[f"agent_{precision}_gb_s_at_{key}pct"] = significant(agent_rate)
+                figures[f"agent_{precision}_gb_s_wall_at_{key}pct"] = significant(
+                    weight_bytes / agent_wall / 1e9
                 )
                 figures[f"agent_{precision}_tensors_positions_from_fold"] = from_fold
                 table.add_row(
                     precision, "  agent (fold positions)", f"{density:.2%}", f"{agent_s:.3f}",
                     f"{agent_rate:.2f}", f"{agent_rate / full_rate:.1f}x",
                 )  # fmt: skip
-            figures[f"incremental_{precision}_gb_s_at_{key}pct"] = round(rate, 3)
-            figures[f"incremental_{precision}_with_diff_gb_s_at_{key}pct"] = round(with_diff, 3)
-            figures[f"incremental_{precision}_gb_s_wall_at_{key}pct"] = round(
-                weight_bytes / incremental_wall / 1e9, 3
+            figures[f"incremental_{precision}_gb_s_at_{key}pct"] = significant(rate)
+            figures[f"incremental_{precision}_with_diff_gb_s_at_{key}pct"] = significant(with_diff)
+            figures[f"incremental_{precision}_gb_s_wall_at_{key}pct"] = significant(
+                weight_bytes / incremental_wall / 1e9
             )
-            figures[f"incremental_{precision}_with_diff_gb_s_wall_at_{key}pct"] = round(
-                weight_bytes / (incremental_wall + diff_wall) / 1e9, 3
+            figures[f"incremental_{precision}_with_diff_gb_s_wall_at_{key}pct"] = significant(
+                weight_bytes / (incremental_wall + diff_wall) / 1e9
             )
             figures[f"tiles_or_groups_in_full_{precision}_at_{key}pct"] = (
                 report.tiles_requantized + report.groups_converted_in_full

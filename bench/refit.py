@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.figures import significant
+
 RUN = "refit-bench"
 ENGINES = ("reference", "vllm")
 PROMPT = [5, 17, 3, 42, 9, 11, 60, 2]
@@ -137,10 +139,10 @@ def _stage_with_and_without_incremental(
     incremental = following.stage(1, folded)
     full = Stager(root / "stage-full", precision, boot, incremental=False).stage(1, folded)
     return {
-        "convert_incremental_s": round(incremental.convert_s, 4),
-        "convert_full_s": round(full.convert_s, 4),
-        "write_incremental_s": round(incremental.write_s, 4),
-        "write_full_s": round(full.write_s, 4),
+        "convert_incremental_s": significant(incremental.convert_s, 4),
+        "convert_full_s": significant(full.convert_s, 4),
+        "write_incremental_s": significant(incremental.write_s, 4),
+        "write_full_s": significant(full.write_s, 4),
         "incremental_conversion": incremental.conversion,
         "convert_positions_from_fold": following.positions_from_fold,
         "staged_identical": incremental.checksums == full.checksums,
@@ -324,19 +326,19 @@ def run(
         "engine": engine,
         "parameters": parameters,
         "precision": precision,
-        "staging_s": round(last["stage_s"], 4),
-        "fetch_s": round(last["fetch_s"], 4),
-        "fold_verify_s": round(last["fold_verify_s"], 4),
-        "convert_s": round(last["convert_s"], 4),
-        "write_s": round(last["write_s"], 4),
-        "pause_s": round(last["pause_s"], 4),
-        "commit_s": round(last["commit_s"], 4),
-        "publish_to_commit_s": round(last["finished_at"] - published_at, 4),
+        "staging_s": significant(last["stage_s"], 4),
+        "fetch_s": significant(last["fetch_s"], 4),
+        "fold_verify_s": significant(last["fold_verify_s"], 4),
+        "convert_s": significant(last["convert_s"], 4),
+        "write_s": significant(last["write_s"], 4),
+        "pause_s": significant(last["pause_s"], 4),
+        "commit_s": significant(last["commit_s"], 4),
+        "publish_to_commit_s": significant(last["finished_at"] - published_at, 4),
         "requests_during_staging": during,
-        "full_reload_pause_s": round(restart_pause, 4),
-        "unstaged_update_pause_s": round(unstaged_pause, 4),
-        "pause_over_full_reload": round(last["pause_s"] / restart_pause, 4),
-        "pause_over_unstaged_update": round(last["pause_s"] / unstaged_pause, 4),
+        "full_reload_pause_s": significant(restart_pause, 4),
+        "unstaged_update_pause_s": significant(unstaged_pause, 4),
+        "pause_over_full_reload": significant(last["pause_s"] / restart_pause, 4),
+        "pause_over_unstaged_update": significant(last["pause_s"] / unstaged_pause, 4),
         "update_fraction": update_fraction,
         **stages,
         "logprobs_match_after_commit": matched,
@@ -347,7 +349,9 @@ def run(
     checkpoint_bytes = 2 * parameters
     for stage in ("fetch", "fold_verify", "convert", "write"):
         seconds = figures[f"{stage}_s"]
-        figures[f"{stage}_gb_s"] = round(checkpoint_bytes / seconds / 1e9, 3) if seconds else None
+        figures[f"{stage}_gb_s"] = (
+            significant(checkpoint_bytes / seconds / 1e9) if seconds else None
+        )
     table = Table("refit", "engine paused (s)", "vs staged")
     table.add_row("staged by the agent (commit only)", f"{figures['pause_s']:.3f}", "1.00x")
     for label, key in (
