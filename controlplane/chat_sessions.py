@@ -48,7 +48,7 @@ from controlplane.errors import (
     SessionUnknown,
 )
 from controlplane.placement import place
-from controlplane.proxy import check_run, no_engine
+from controlplane.proxy import check_run, json_object, no_engine
 from controlplane.refusals import too_far_ahead
 from controlplane.services import Services
 from controlplane.session_records import Session, SessionRecords, Turn
@@ -322,12 +322,7 @@ class ChatSessions:
 
     @staticmethod
     def _body(raw: bytes) -> dict[str, Any]:
-        try:
-            body = orjson.loads(raw) if raw else None
-        except orjson.JSONDecodeError as exc:
-            raise InvalidRequest(f"body: not valid JSON ({exc})", field="body") from exc
-        if not isinstance(body, dict):
-            raise InvalidRequest("body: expected a JSON object", field="body")
+        body = json_object(raw)
         if body.get("stream"):
             raise InvalidRequest(
                 "body.stream: session turns answer whole completions; drop stream",

@@ -19,6 +19,7 @@ import re
 import time
 from collections.abc import Callable, Mapping
 from functools import partial
+from typing import Any
 
 import orjson
 from pydantic import ValidationError
@@ -88,14 +89,20 @@ def validation_error(exc: ValidationError, prefix: str) -> InvalidRequest:
     return InvalidRequest(f"{field}: {first['msg']}", field=field)
 
 
-def parse_routing(raw: bytes) -> tuple[RoutingFields, VersionConstraint]:
-    """The Tether fields of a generate body; the rest is not looked at, let alone validated."""
+def json_object(raw: bytes) -> dict[str, Any]:
+    """A request body that must be one JSON object (InvalidRequest naming `body` otherwise)."""
     try:
         body = orjson.loads(raw) if raw else None
     except orjson.JSONDecodeError as exc:
         raise InvalidRequest(f"body: not valid JSON ({exc})", field="body") from exc
     if not isinstance(body, dict):
         raise InvalidRequest("body: expected a JSON object", field="body")
+    return body
+
+
+def parse_routing(raw: bytes) -> tuple[RoutingFields, VersionConstraint]:
+    """The Tether fields of a generate body; the rest is not looked at, let alone validated."""
+    body = json_object(raw)
     ours = {key: body[key] for key in ROUTING_KEYS if key in body}
     if not ours:
         return NO_ROUTING_FIELDS, ANY_VERSION
