@@ -79,6 +79,9 @@ class FleetConfig:
     # Agents whose kept files are damaged right after each is saved: they serve peers
     # corrupted bytes (every `engines // bad_peers`-th agent, the first one included).
     bad_peers: int = 0
+    # Agents pass a file on in pieces of this size while it arrives (cut-through): small
+    # next to a version's files, as 8 MiB is next to a real shard.
+    peer_chunk_bytes: int = 2048
 
     @property
     def caps(self) -> dict[str, float]:
@@ -324,6 +327,7 @@ class Swarm:
                 retry_max_s=2.0,
                 peer_fetch=self.config.peers,
                 peer_upload_bytes_per_s=self.config.agent_link_mbps * MB,
+                peer_chunk_bytes=self.config.peer_chunk_bytes,
             )
             engine = NullEngine(f"engine-{index}", 0, self._committed)
             link = Link(self.config.agent_link_mbps * MB)
@@ -396,12 +400,22 @@ class Swarm:
 
 
 def _serve_damaged(agent: Any) -> None:
-    """Damage each file the agent keeps for its peers as soon as it is saved (the agent's
-    own catch-up already holds the good bytes), so every peer that reads it gets bad ones."""
+    """Damage each file the agent keeps for its peers as soon as it is saved, and every byte
+    it forwards while a file arrives (the agent's own catch-up already holds the good bytes),
+    so every peer that reads from it gets bad ones."""
     cache = agent.store.cache
     if cache is None:
         return
     serve = cache.on_saved
+    receive = cache.receive
+
+    def damaged_receive(key: str, size: int) -> Any:
+        partial = receive(key, size)
+        write = partial.write
+        partial.write = lambda chunk: write(bytes(b ^ 0x5A for b in chunk))  # type: ignore[method-assign]
+        return partial
+
+    cache.receive = damaged_receive  # type: ignore[method-assign]
 
     def damage(key: str) -> None:
         path = cache.root / key

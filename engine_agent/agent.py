@@ -152,6 +152,8 @@ class Agent:
                 max_wait_s=settings.peer_wait_s,
                 upload_slots=settings.peer_upload_slots,
                 upload_bytes_per_s=settings.peer_upload_bytes_per_s,
+                stall_s=settings.peer_stall_s,
+                chunk_bytes=settings.peer_chunk_bytes,
             )
             self.proxy.extra_routes.append(self.peer_server.install)
             self.reconciler.on_commit = self._prune_peer_files
@@ -502,6 +504,8 @@ class Agent:
         await self.engine.close()
         if self.control is not None:
             await self.control.close()
+        if self.reconciler.fetch is not None:
+            self.reconciler.fetch.close()
         log.info("stopped in %.2fs", time.perf_counter() - started)
 
 

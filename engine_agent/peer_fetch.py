@@ -16,10 +16,13 @@ import contextlib
 import logging
 from collections.abc import Callable
 
+import httpx
+
 from engine_agent.control_client import ControlClient
 from engine_agent.errors import AgentError
 from engine_agent.status import AgentStatus, PassTimings
 from store.sources import FetchSource, HttpSource, ObjectSource, SourcedFetch
+from store.sources.http import open_client
 from wire.peers import PEER_FILES_PATH, PeerReport
 
 log = logging.getLogger(__name__)
@@ -29,10 +32,15 @@ _REGISTRATION_WAIT_S = 5.0
 _REPORTED = frozenset({"digest", "size", "stall", "error"})
 
 
-def open_source(url: str, token: str | None = None, stall_s: float = 5.0) -> FetchSource:
+def open_source(
+    url: str,
+    token: str | None = None,
+    stall_s: float = 5.0,
+    client: httpx.Client | None = None,
+) -> FetchSource:
     """A configured fetch source: an http(s):// base URL or a store URL of a mirror."""
     if url.startswith(("http://", "https://")):
-        return HttpSource(url, token=token, kind="http", stall_s=stall_s)
+        return HttpSource(url, token=token, kind="http", stall_s=stall_s, client=client)
     return ObjectSource.open(url)
 
 
@@ -63,6 +71,9 @@ class PeerFetch:
         self.peers = peers
         self.wait_s = wait_s
         self.stall_s = stall_s
+        # One HTTP client for every source of every pass (keep-alive to the same parents;
+        # opening one per peer per pass is what stalled a swarm's event loop).
+        self.client: httpx.Client | None = None
 
     async def sources(self, version: int) -> SourcedFetch:
         """The sources to try for `version`'s files, in order (possibly none)."""
@@ -73,6 +84,8 @@ class PeerFetch:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(_REGISTRATION_WAIT_S):
                     await self.registered.wait()
+        if self.client is None:
+            self.client = await asyncio.to_thread(open_client)
         engine_id = self.engine_id()
         if self.peers and self.control is not None and engine_id is not None:
             try:
@@ -87,6 +100,7 @@ class PeerFetch:
                         kind="peer",
                         wait_s=self.wait_s,
                         stall_s=self.stall_s,
+                        client=self.client,
                     )
                     for peer in plan.peers
                     if peer.url != self.own_url
@@ -97,7 +111,9 @@ class PeerFetch:
                         version,
                         [peer.url for peer in plan.peers],
                     )
-        found += [open_source(url, stall_s=self.stall_s) for url in self.configured]
+        found += [
+            open_source(url, stall_s=self.stall_s, client=self.client) for url in self.configured
+        ]
         return SourcedFetch(found)
 
     async def finished(self, sourced: SourcedFetch, timings: PassTimings) -> None:
@@ -131,3 +147,9 @@ class PeerFetch:
             except AgentError as exc:
                 log.warning("could not report peer %s: %s", peer_url, exc)
         sourced.close()
+
+    def close(self) -> None:
+        """Release the shared HTTP client (when the agent stops)."""
+        if self.client is not None:
+            self.client.close()
+            self.client = None

@@ -3,14 +3,17 @@
 `GET /v1/peer/files/{key}` answers the verified copy of a store key from the agent's file
 cache (what its catch-ups fetched), with single-range reads (`Range: bytes=a-b`). Callers
 must hold an engine (or admin) token, checked with the control plane and remembered for a
-short while. A file the agent is still fetching itself (its version lies between the
-applied version and its target) is waited for, at most as long as the caller allows
-(`X-Tether-Peer-Wait`) and the agent's own `peer_wait_s`; otherwise a missing file is 404
-at once. Uploads are bounded: `upload_slots` under way at a time (503 past that) sharing
+short while. A file the agent is still receiving is forwarded as its bytes arrive
+(cut-through: `store.partial_file`; chunked, marked `X-Tether-Peer-Partial: 1`, its last
+byte held back until the agent verified the file, ended short if the agent's own source
+fails or delivers nothing for `stall_s`). A file the agent will fetch (its version lies
+between the applied version and its target) is waited for, at most as long as the caller
+allows (`X-Tether-Peer-Wait`) and the agent's own `peer_wait_s`; otherwise a missing file
+is 404 at once. Uploads are bounded: `upload_slots` under way at a time (503 past that) sharing
 `upload_bytes_per_s`. Old versions are pruned from the cache after each commit.
 
-Must never serve anything but complete, verified version files of its own run (no claim,
-no pointer, no path outside the cache), never change weights and never log a token.
+Must never complete a transfer of anything but verified version files of its own run (no
+claim, no pointer, no path outside the cache), never change weights and never log a token.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from engine_agent.status import AgentStatus
 from store.cache import FileCache
 from store.errors import InvalidName
 from store.layout import CLAIM_FILENAME, validate_file_name
-from store.sources.http import WAIT_HEADER
+from store.partial_file import FAILED, PartialFile
+from store.sources.http import PARTIAL_HEADER, WAIT_HEADER
 from store.types import parse_version_dir_name
 from wire import ErrorBody, ErrorDetail, Role
 from wire.peers import PEER_FILES_PATH
@@ -86,6 +90,8 @@ class PeerServer:
         max_wait_s: float = 30.0,
         upload_slots: int = 8,
         upload_bytes_per_s: float = 0.0,
+        stall_s: float = 5.0,
+        chunk_bytes: int = _CHUNK,
     ) -> None:
         self.cache = cache
         self.run_id = run_id
@@ -94,6 +100,10 @@ class PeerServer:
         self.expecting = expecting
         self.max_wait_s = max_wait_s
         self.upload_slots = upload_slots
+        self.stall_s = stall_s
+        # Uploads are paced and forwarded in pieces of this size: small pieces let a
+        # parent's children share its upload and pass each piece on as it comes.
+        self.chunk_bytes = max(1, min(chunk_bytes, _CHUNK))
         # Uploads under way; counted inside the streaming body so that a client that leaves
         # before the body starts never holds a slot.
         self.uploading = 0
@@ -102,6 +112,9 @@ class PeerServer:
         self._waiters: dict[str, list[asyncio.Future[None]]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         cache.on_saved = self._saved_from_thread
+        cache.on_receiving = self._saved_from_thread
+        cache.streams = True
+        cache.chunk_bytes = max(1, chunk_bytes)
 
     def install(self, app: FastAPI) -> None:
         app.add_api_route(
@@ -155,18 +168,23 @@ class PeerServer:
             if not waiter.done():
                 waiter.set_result(None)
 
-    async def _wait_for(self, key: str, version: int, wait_s: float) -> Path | None:
-        """The cached file of `key`, waiting up to `wait_s` while this agent fetches it."""
+    def _held(self, key: str) -> Path | PartialFile | None:
+        """The cached file of `key`, else the attempt at it under way, else None."""
+        return self.cache.path(key) or self.cache.partial(key)
+
+    async def _wait_for(self, key: str, version: int, wait_s: float) -> Path | PartialFile | None:
+        """The cached file of `key` or its arriving bytes, waiting up to `wait_s` while this
+        agent is about to fetch it."""
         deadline = time.monotonic() + wait_s
         while True:
-            path = self.cache.path(key)
+            held = self._held(key)
             left = deadline - time.monotonic()
-            if path is not None or left <= 0 or not self.expecting(version):
-                return path
+            if held is not None or left <= 0 or not self.expecting(version):
+                return held
             waiter = asyncio.get_running_loop().create_future()
             self._waiters.setdefault(key, []).append(waiter)
             # Re-check after registering: the file may have landed in between.
-            if self.cache.path(key) is not None:
+            if self._held(key) is not None:
                 continue
             # Bounded slices: the agent may stop expecting the file (a failed pass).
             with contextlib.suppress(TimeoutError):
@@ -185,11 +203,14 @@ class PeerServer:
             asked = float(request.headers.get(WAIT_HEADER, "0"))
         except ValueError:
             asked = 0.0
-        path = await self._wait_for(key, version, max(0.0, min(asked, self.max_wait_s)))
-        if path is None:
+        held = await self._wait_for(key, version, max(0.0, min(asked, self.max_wait_s)))
+        if held is None:
             return _error(404, "NotFound", f"this agent holds no verified copy of {key}")
         if self.uploading >= self.upload_slots:
             return _error(503, "PeerBusy", "every upload slot is taken; ask another source", 1)
+        if isinstance(held, PartialFile):
+            return self._forward(held, request.headers.get("range"))
+        path = held
         try:
             size = path.stat().st_size
         except FileNotFoundError:  # pruned meanwhile
@@ -211,6 +232,49 @@ class PeerServer:
             media_type="application/octet-stream",
         )
 
+    def _forward(self, partial: PartialFile, wanted: str | None) -> Response:
+        """Stream a file this agent is still receiving (no length: it may end short)."""
+        start, end, status = 0, partial.size, 200
+        headers = {PARTIAL_HEADER: "1", "Accept-Ranges": "bytes"}
+        if wanted:
+            span = _parse_range(wanted, partial.size)
+            if span is None:
+                return Response(
+                    status_code=416, headers={"Content-Range": f"bytes */{partial.size}"}
+                )
+            start, end, status = span[0], span[1], 206
+            headers["Content-Range"] = f"bytes {start}-{end - 1}/{partial.size}"
+        return StreamingResponse(
+            self._stream_partial(partial, start, end),
+            status_code=status,
+            headers=headers,
+            media_type="application/octet-stream",
+        )
+
+    async def _stream_partial(
+        self, partial: PartialFile, start: int, end: int
+    ) -> AsyncIterator[bytes]:
+        self.uploading += 1
+        try:
+            offset = start
+            while offset < end:
+                ready = min(partial.readable(), end)
+                if partial.state == FAILED:
+                    return  # short: the caller reads elsewhere
+                if ready > offset:
+                    chunk = partial.read(offset, min(ready, offset + self.chunk_bytes))
+                    await self.limiter.take(len(chunk))
+                    offset += len(chunk)
+                    self.status.served_bytes += len(chunk)
+                    yield chunk
+                elif not await partial.wait(offset, self.stall_s):
+                    log.info("%s delivered nothing for %.1fs; ending its forward", partial.key,
+                             self.stall_s)  # fmt: skip
+                    return
+            self.status.served_files += 1
+        finally:
+            self.uploading -= 1
+
     async def _stream(self, path: Path, start: int, end: int) -> AsyncIterator[bytes]:
         self.uploading += 1
         try:
@@ -218,7 +282,7 @@ class PeerServer:
                 handle.seek(start)
                 left = end - start
                 while left > 0:
-                    chunk = await asyncio.to_thread(handle.read, min(_CHUNK, left))
+                    chunk = await asyncio.to_thread(handle.read, min(self.chunk_bytes, left))
                     if not chunk:
                         break
                     await self.limiter.take(len(chunk))

@@ -7,8 +7,11 @@ it still matches both (a damaged cache entry is dropped and fetched again). Vers
 immutable, so a verified cache entry never goes stale. Safetensors headers can be read with
 two small ranged reads instead of fetching a whole shard. With a `SourcedFetch` and the
 digests the store recorded, a file missing from the cache is first asked of the other fetch
-sources (peers, a distributor) and only then of the store. This module never writes to the
-store.
+sources (peers, a distributor) and only then of the store. When the cache serves peers
+(`FileCache.streams`), each such file is also registered as a `PartialFile` while it arrives
+(read from the store in ranges of `chunk_bytes`), so peers can be sent its first bytes
+before the last have come in (cut-through forwarding; `store.partial_file`). This module
+never writes to the store.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
+import threading
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -25,6 +29,7 @@ from store.checksum import tensor_checksum
 from store.errors import CorruptPayload, VersionNotFound
 from store.layout import version_file_key
 from store.objects import ObjectStore
+from store.partial_file import FAILED, RECEIVING, VERIFIED, PartialFile
 from store.safetensors_io import read_header
 from store.sources.sourced_fetch import FileDigest, SourcedFetch
 from store.types import VersionRef
@@ -44,6 +49,14 @@ class FileCache:
         # Called with the key once a file is saved (from the saving thread): a peer server
         # waiting for that file answers then.
         self.on_saved: Callable[[str], None] | None = None
+        # Set by whoever serves the cache to peers: files are then readable while they
+        # arrive (`partial`), and the store is read in ranges of `chunk_bytes` so that its
+        # bytes arrive in pieces too. `on_receiving` hears the key as a file starts to arrive.
+        self.streams = False
+        self.chunk_bytes = 8 << 20
+        self.on_receiving: Callable[[str], None] | None = None
+        self._partials: dict[str, PartialFile] = {}
+        self._partials_lock = threading.Lock()
 
     def _paths(self, key: str) -> tuple[Path, Path]:
         path = self.root / key
@@ -89,6 +102,72 @@ class FileCache:
     def has(self, key: str) -> bool:
         return self._paths(key)[1].exists()
 
+    # ---- files on their way in -----------------------------------------------------------
+
+    def receive(self, key: str, size: int) -> PartialFile:
+        """Register a new attempt at `key`; readers see it from now on."""
+        partial = PartialFile(key, size)
+        with self._partials_lock:
+            self._partials[key] = partial
+        if self.on_receiving is not None:
+            self.on_receiving(key)
+        return partial
+
+    def partial(self, key: str) -> PartialFile | None:
+        """The attempt at `key` under way (or verified and not yet saved), if any."""
+        with self._partials_lock:
+            partial = self._partials.get(key)
+        return partial if partial is not None and partial.state != FAILED else None
+
+    def received(self, key: str) -> None:
+        """`key` is saved (or given up): new readers read the file, not the attempt."""
+        with self._partials_lock:
+            self._partials.pop(key, None)
+
+
+class Attempts:
+    """The successive attempts at one file as its readers see them: one `PartialFile` per
+    attempt that delivered bytes. An attempt that failed before its first byte (a miss, a
+    refusal) does not disturb the readers waiting; one that failed later ends their
+    transfers short and the next attempt starts a new `PartialFile`."""
+
+    def __init__(self, cache: FileCache, key: str, size: int) -> None:
+        self.cache = cache
+        self.key = key
+        self.size = size
+        self.current: PartialFile | None = None
+
+    def sink(self) -> Callable[[bytes], None]:
+        """Where the next attempt writes its bytes as they arrive."""
+        if self.current is None or self.current.state != RECEIVING:
+            self.current = self.cache.receive(self.key, self.size)
+        return self.current.write
+
+    def failed(self) -> None:
+        if self.current is not None and self.current.received:
+            self.current.failed()
+            self.current = None
+
+    def settle(self, data: bytes, expected: FileDigest | None) -> None:
+        """The attempt delivered `data`: release it to the readers if it matches the
+        origin's record, else end their transfers."""
+        if self.current is None:
+            return
+        intact = expected is not None and len(data) == expected.size
+        if intact and expected is not None and tensor_checksum(data) == expected.digest:
+            self.current.verified()
+        else:
+            self.current.failed()
+
+    def verified(self) -> None:
+        if self.current is not None:
+            self.current.verified()
+
+    def abandon(self) -> None:
+        """No attempt will follow: end any transfer still waiting for bytes."""
+        if self.current is not None and self.current.state not in (VERIFIED, FAILED):
+            self.current.failed()
+
 
 class VersionFiles(Mapping[str, bytes]):
     """The files of one version (index and shards), fetched on first access."""
@@ -127,18 +206,37 @@ class VersionFiles(Mapping[str, bytes]):
                     self.cache.save(key, data)
                 except OSError as exc:  # a cache that cannot write never fails a read
                     log.warning("could not keep %s in the cache %s: %s", key, self.cache.root, exc)
+                finally:
+                    self.cache.received(key)
         if len(data) <= _MEMO_LIMIT:
             self._memo[name] = data
         return data
 
     def _fetch(self, key: str, name: str) -> bytes:
         expected = self.digests.get(name)
-        if self.sources is not None and expected is not None and expected.size == self.sizes[name]:
-            data = self.sources.fetch(key, expected)
+        if expected is not None and expected.size != self.sizes[name]:
+            expected = None
+        # Peers may read a file as it arrives only if they can verify it (it has a digest).
+        attempts = (
+            Attempts(self.cache, key, self.sizes[name])
+            if self.cache is not None and self.cache.streams and expected is not None
+            else None
+        )
+        try:
+            return self._fetch_from(key, name, expected, attempts)
+        finally:
+            if attempts is not None:
+                attempts.abandon()
+
+    def _fetch_from(
+        self, key: str, name: str, expected: FileDigest | None, attempts: Attempts | None
+    ) -> bytes:
+        if self.sources is not None and expected is not None:
+            data = self.sources.fetch(key, expected, attempts)
             if data is not None:
                 return data
         try:
-            data = self.objects.get(key)
+            data = self._read_origin(key, self.sizes[name], attempts)
         except FileNotFoundError:
             raise VersionNotFound(
                 f"{self.ref.identity}/{name} disappeared from {self.objects.url} while being "
@@ -149,10 +247,34 @@ class VersionFiles(Mapping[str, bytes]):
                 f"{self.ref.identity}/{name}: expected {self.sizes[name]} bytes, fetched "
                 f"{len(data)}; the object changed or the transfer was cut, fetch it again"
             )
+        if attempts is not None:
+            attempts.settle(data, expected)
         self.bytes_fetched += len(data)
         if self.sources is not None:
             self.sources.count_origin(len(data))
         return data
+
+    def _read_origin(self, key: str, size: int, attempts: Attempts | None) -> bytes:
+        """The object from the origin store; in ranges, each passed on as it arrives, when
+        peers may be reading it."""
+        if attempts is None:
+            return self.objects.get(key)
+        sink = attempts.sink()
+        chunk = max(1, self.cache.chunk_bytes if self.cache is not None else size)
+        if size <= chunk:
+            data = self.objects.get(key)
+            sink(data)
+            return data
+        parts = []
+        offset = 0
+        while offset < size:
+            piece = self.objects.get_range(key, offset, min(chunk, size - offset))
+            if not piece:
+                break  # shorter than listed: the caller's size check says so
+            sink(piece)
+            parts.append(piece)
+            offset += len(piece)
+        return b"".join(parts)
 
     def fetch_all(self) -> int:
         """Fetch every file now and hold it in memory; return the bytes held."""

@@ -9,6 +9,7 @@ one that fails or stalls raises `SourceFailed` (a fault, reported and dropped).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 from store.errors import StoreError
 
@@ -34,11 +35,14 @@ class FetchSource(ABC):
     location: str
 
     @abstractmethod
-    def fetch(self, key: str, size: int) -> bytes:
+    def fetch(self, key: str, size: int, sink: Callable[[bytes], None] | None = None) -> bytes:
         """The whole object `key`, which the origin says is `size` bytes long.
 
-        Raise `FileNotFoundError` if this source does not hold it, `SourceFailed` if the
-        source fails or stalls. The bytes returned may still be wrong: the caller verifies.
+        With `sink`, every byte received is also passed to it, in order, as it arrives (so
+        that the caller can forward a file before it is complete); the bytes returned are
+        the same ones. Raise `FileNotFoundError` if this source does not hold it,
+        `SourceFailed` if the source fails or stalls. The bytes returned may still be wrong:
+        the caller verifies.
         """
 
     def close(self) -> None:  # noqa: B027  (most sources hold nothing to release)

@@ -10,11 +10,20 @@ Deadlines: a server may hold a request while it fetches the file itself (a peer 
 catching up; the wait it may take is sent in `WAIT_HEADER`). After that, a transfer that
 delivers nothing for `stall_s`, or that runs slower than `min_bytes_per_s` overall, is a
 stall: `SourceFailed("stall")`, and the caller moves on.
+
+Clients: opening an `httpx.Client` loads the CA bundle into a new TLS context (0.1–0.3 s of
+CPU, holding the GIL), so every source shares one process-wide TLS context, and an agent
+passes one client to all the peers of all its passes (`client=`): a fleet's catch-ups start
+together, and building clients per peer per pass stalled the event loop of a swarm for
+seconds.
 """
 
 from __future__ import annotations
 
+import functools
+import ssl
 import time
+from collections.abc import Callable
 
 import httpx
 
@@ -22,7 +31,22 @@ from store.sources.base import FetchSource, SourceFailed
 
 # How long (seconds) the server may hold the request for a file it is still fetching.
 WAIT_HEADER = "X-Tether-Peer-Wait"
-_CHUNK = 1 << 20
+# Set by a peer on an answer that forwards a file it is still receiving: such an answer may
+# end short when the peer's own source fails, which makes the peer unavailable for this
+# pass, not faulty.
+PARTIAL_HEADER = "X-Tether-Peer-Partial"
+
+
+@functools.cache
+def shared_tls() -> ssl.SSLContext:
+    """The one TLS context every fetch source's client uses (httpx's default settings)."""
+    return httpx.create_ssl_context()
+
+
+def open_client(connect_s: float = 2.0) -> httpx.Client:
+    """A client for fetch sources: cheap to open (the shared TLS context), no default headers
+    (each request carries its own)."""
+    return httpx.Client(verify=shared_tls(), timeout=httpx.Timeout(30.0, connect=connect_s))
 
 
 class HttpSource(FetchSource):
@@ -38,6 +62,7 @@ class HttpSource(FetchSource):
         stall_s: float = 5.0,
         min_bytes_per_s: float = 1 << 20,
         connect_s: float = 2.0,
+        client: httpx.Client | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.location = self.base_url
@@ -45,19 +70,21 @@ class HttpSource(FetchSource):
         self.wait_s = wait_s
         self.stall_s = stall_s
         self.min_bytes_per_s = min_bytes_per_s
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         if wait_s > 0:
-            headers[WAIT_HEADER] = f"{wait_s:g}"
-        self._client = httpx.Client(
-            headers=headers,
-            timeout=httpx.Timeout(stall_s + wait_s, connect=connect_s),
-        )
+            self._headers[WAIT_HEADER] = f"{wait_s:g}"
+        self._timeout = httpx.Timeout(stall_s + wait_s, connect=connect_s)
+        # A client passed in belongs to the caller (shared by many sources); never closed here.
+        self._owned = client is None
+        self._client = open_client(connect_s) if client is None else client
 
-    def fetch(self, key: str, size: int) -> bytes:
+    def fetch(self, key: str, size: int, sink: Callable[[bytes], None] | None = None) -> bytes:
         url = f"{self.base_url}/{key}"
         deadline = time.monotonic() + self.wait_s + self.stall_s + size / self.min_bytes_per_s
         try:
-            with self._client.stream("GET", url) as reply:
+            with self._client.stream(
+                "GET", url, headers=self._headers, timeout=self._timeout
+            ) as reply:
                 if reply.status_code == 404:
                     raise FileNotFoundError(f"{self.location} does not hold {key}")
                 if reply.status_code != 200:
@@ -65,18 +92,27 @@ class HttpSource(FetchSource):
                         f"{url} answered {reply.status_code}; expected 200 with the file",
                         "unavailable" if reply.status_code in (429, 503) else "error",
                     )
+                partial = reply.headers.get(PARTIAL_HEADER) == "1"
                 chunks = []
                 received = 0
-                for chunk in reply.iter_bytes(_CHUNK):
+                for chunk in reply.iter_bytes():  # as they arrive: they may be forwarded
                     chunks.append(chunk)
                     received += len(chunk)
                     if received > size:
                         break  # longer than the origin says: wrong, no need to read on
+                    if sink is not None:
+                        sink(chunk)
                     if time.monotonic() > deadline:
                         raise SourceFailed(
                             f"{url} delivered {received} of {size} bytes before its deadline",
                             "stall",
                         )
+                if partial and received < size:
+                    raise SourceFailed(
+                        f"{url} stopped forwarding {key} after {received} of {size} bytes "
+                        "(its own source failed)",
+                        "unavailable",
+                    )
                 return b"".join(chunks)
         except httpx.TimeoutException as exc:
             raise SourceFailed(f"{url} stalled ({type(exc).__name__})", "stall") from exc
@@ -84,4 +120,5 @@ class HttpSource(FetchSource):
             raise SourceFailed(f"{url} failed: {type(exc).__name__}: {exc}", "error") from exc
 
     def close(self) -> None:
-        self._client.close()
+        if self._owned:
+            self._client.close()

@@ -8,6 +8,7 @@ can slow a catch-up but never corrupt it. Never writes to the mirror.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from store.errors import StorageUnavailable
@@ -28,10 +29,13 @@ class ObjectSource(FetchSource):
     def open(cls, url: str, storage_options: dict[str, Any] | None = None) -> ObjectSource:
         return cls(open_objects(url, storage_options))
 
-    def fetch(self, key: str, size: int) -> bytes:
+    def fetch(self, key: str, size: int, sink: Callable[[bytes], None] | None = None) -> bytes:
         try:
-            return self.objects.get(key)
+            data = self.objects.get(key)
         except StorageUnavailable as exc:
             raise SourceFailed(
                 f"{self.location} did not deliver {key}: {exc}", "unavailable"
             ) from exc
+        if sink is not None:
+            sink(data)
+        return data

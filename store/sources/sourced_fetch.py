@@ -5,7 +5,9 @@ its bytes, holds each file's size and xxh3-128 digest), never from a source, so 
 can slow a catch-up but never corrupt it: bytes that do not match are thrown away before
 anything decodes them. A source that serves wrong bytes, fails or stalls is dropped for the
 rest of this fetch and reported through `on_fault`; a miss (404) is not a fault. When no
-source delivers, the caller reads the origin as it always did. Never writes anything.
+source delivers, the caller reads the origin as it always did. With `attempts` (the file is
+being passed on to peers while it arrives), each source writes its bytes there as they come
+and the attempt is released only once its bytes matched. Never writes anything.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import logging
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 from store.checksum import tensor_checksum
 from store.sources.base import FetchSource, SourceFailed
@@ -40,6 +43,20 @@ class SourceFault:
     message: str
 
 
+class Attempts(Protocol):
+    """Successive attempts at one file, readable by others while they arrive
+    (`store.cache.Attempts`)."""
+
+    def sink(self) -> Callable[[bytes], None]:
+        """Where the next attempt writes its bytes as they arrive."""
+
+    def failed(self) -> None:
+        """The attempt under way failed: its readers stop."""
+
+    def verified(self) -> None:
+        """The attempt's bytes matched the origin's record: readers may finish."""
+
+
 class SourcedFetch:
     """Tries `sources` in order for each file; keeps using those that behave."""
 
@@ -56,39 +73,52 @@ class SourcedFetch:
         # Bytes received and thrown away because they did not match the digest.
         self.bytes_rejected = 0
 
-    def fetch(self, key: str, expected: FileDigest) -> bytes | None:
+    def fetch(
+        self, key: str, expected: FileDigest, attempts: Attempts | None = None
+    ) -> bytes | None:
         """The bytes of `key` from the first source that delivers them intact, or None."""
         for source in list(self.sources):
+            sink = attempts.sink() if attempts is not None else None
             try:
-                data = source.fetch(key, expected.size)
+                data = source.fetch(key, expected.size, sink)
             except FileNotFoundError:
+                if attempts is not None:
+                    attempts.failed()
                 continue
             except SourceFailed as exc:
+                if attempts is not None:
+                    attempts.failed()
                 self._drop(source, key, exc.reason, str(exc))
                 continue
-            if len(data) != expected.size:
+            fault = self._mismatch(source, key, data, expected)
+            if fault is not None:
+                if attempts is not None:
+                    attempts.failed()
                 self.bytes_rejected += len(data)
-                self._drop(
-                    source,
-                    key,
-                    "size",
-                    f"{source.location} served {len(data)} bytes for {key}, the store "
-                    f"records {expected.size}",
-                )
+                self._drop(source, key, *fault)
                 continue
-            digest = tensor_checksum(data)
-            if digest != expected.digest:
-                self.bytes_rejected += len(data)
-                self._drop(
-                    source,
-                    key,
-                    "digest",
-                    f"{source.location} served bytes of {key} with digest {digest}, the store "
-                    f"records {expected.digest}",
-                )
-                continue
+            if attempts is not None:
+                attempts.verified()
             self.bytes_from[source.kind] += len(data)
             return data
+        return None
+
+    @staticmethod
+    def _mismatch(
+        source: FetchSource, key: str, data: bytes, expected: FileDigest
+    ) -> tuple[str, str] | None:
+        """(reason, message) if `data` is not what the origin recorded, else None."""
+        if len(data) != expected.size:
+            return "size", (
+                f"{source.location} served {len(data)} bytes for {key}, the store "
+                f"records {expected.size}"
+            )
+        digest = tensor_checksum(data)
+        if digest != expected.digest:
+            return "digest", (
+                f"{source.location} served bytes of {key} with digest {digest}, the store "
+                f"records {expected.digest}"
+            )
         return None
 
     def count_origin(self, size: int) -> None:

@@ -257,3 +257,31 @@ def test_with_peer_fetch_off_an_agent_reads_the_store_as_before_and_serves_nothi
         timeout=30,
     )
     assert reply.status_code == 404
+
+
+def test_every_source_of_every_pass_shares_the_agents_one_http_client() -> None:
+    import asyncio
+
+    from engine_agent.peer_fetch import PeerFetch
+    from engine_agent.status import AgentStatus
+    from store.sources import HttpSource
+
+    fetch = PeerFetch(
+        control=None, engine_id=lambda: None, own_url="http://127.0.0.1:9", token=None,
+        status=AgentStatus(), configured=["http://127.0.0.1:9/a", "http://127.0.0.1:9/b"],
+        peers=False,
+    )  # fmt: skip
+
+    async def two_passes() -> list[HttpSource]:
+        found = []
+        for version in (1, 2):
+            sourced = await fetch.sources(version)
+            found += [s for s in sourced.sources if isinstance(s, HttpSource)]
+            sourced.close()
+        return found
+
+    sources = asyncio.run(two_passes())
+    assert len(sources) == 4
+    assert all(s._client is fetch.client for s in sources)
+    assert fetch.client is not None and not fetch.client.is_closed
+    fetch.close()

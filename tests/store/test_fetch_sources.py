@@ -17,6 +17,7 @@ import pytest
 
 from store.layout import CLAIM_FILENAME, version_file_key
 from store.sources import HttpSource, ObjectSource, SourcedFetch
+from store.sources.http import open_client, shared_tls
 from store.store import Store
 from store.types import VersionRef
 from tests.store.chain import publish_chain, same_tensors
@@ -145,3 +146,17 @@ def test_a_source_that_does_not_hold_a_file_is_a_miss_not_a_fault(
     assert same_tensors(store.materialize(RUN, 2, sources=sourced), history[2])
     assert sourced.faults == []
     assert len(sourced.sources) == 1
+
+
+def test_opening_an_http_source_loads_no_certificates_and_leaves_a_shared_client_open() -> None:
+    # Loading the CA bundle takes 0.1-0.3 s of CPU under the GIL: built per peer per pass,
+    # it stalled a swarm of agents' event loop for seconds. Every source shares one context.
+    own = HttpSource("http://127.0.0.1:9/files")
+    assert own._client._transport._pool._ssl_context is shared_tls()  # type: ignore[attr-defined]
+    shared = open_client()
+    borrowing = HttpSource("http://127.0.0.1:9/files", token="t", wait_s=3, client=shared)
+    borrowing.close()
+    own.close()
+    assert not shared.is_closed
+    assert own._client.is_closed
+    shared.close()

@@ -1,0 +1,258 @@
+"""Cut-through forwarding (docs/peers.md): a peer passes a file on while it is still
+receiving it, and the child still uses only bytes that match the store's digests.
+
+Three real hops on 127.0.0.1: an upstream HTTP server that sends half of one shard and then
+waits for the test to finish, cut or corrupt it; a parent (a store with its peer-file
+cache served by the agent's real `PeerServer` under uvicorn) that fetches from that
+upstream; a child that fetches from the parent. The child keeps its files for peers too, so
+its own `PartialFile` shows the bytes it got before the parent had the whole file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.server
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import uvicorn
+from fastapi import FastAPI
+
+from engine_agent.peer_server import PeerServer
+from engine_agent.status import AgentStatus
+from store.layout import version_file_key
+from store.partial_file import PartialFile
+from store.sources import HttpSource, SourcedFetch
+from store.store import Store
+from store.tensors import RawTensor
+from store.types import VersionRef
+from tests.fixtures.processes import wait_until
+from tests.store.chain import publish_chain, same_tensors
+from wire import Role
+from wire.peers import PEER_FILES_PATH
+
+RUN = "cut-run"
+DEADLINE_S = 60.0
+
+
+@dataclass
+class Upstream:
+    """Serves the origin's files; `held` is sent half, then finished, cut or corrupted."""
+
+    root: Path
+    held: str
+    half_sent: threading.Event = field(default_factory=threading.Event)
+    release: threading.Event = field(default_factory=threading.Event)
+    # "finish": the rest as stored; "cut": close the connection.
+    ending: str = "finish"
+    url: str = ""
+
+
+def start_upstream(upstream: Upstream) -> http.server.ThreadingHTTPServer:
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            key = self.path.lstrip("/")
+            data = (upstream.root / key).read_bytes()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            if key != upstream.held:
+                self.wfile.write(data)
+                return
+            half = len(data) // 2
+            self.wfile.write(data[:half])
+            self.wfile.flush()
+            upstream.half_sent.set()
+            upstream.release.wait(DEADLINE_S)
+            if upstream.ending == "finish":
+                self.wfile.write(data[half:])
+            # "cut": return; the server closes the connection short of Content-Length.
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    upstream.url = f"http://127.0.0.1:{server.server_address[1]}"
+    return server
+
+
+@contextlib.contextmanager
+def serving_peer(store: Store, tweak: Callable[[PeerServer], None] | None = None) -> Iterator[str]:
+    """`store`'s peer-file cache served by the agent's `PeerServer`: its files URL."""
+    assert store.cache is not None
+
+    async def engine_role(_authorization: str) -> Role | None:
+        return Role.ENGINE
+
+    server = PeerServer(
+        cache=store.cache,
+        run_id=RUN,
+        status=AgentStatus(),
+        role_of=engine_role,
+        expecting=lambda _version: True,
+        max_wait_s=DEADLINE_S,
+        stall_s=DEADLINE_S,
+        chunk_bytes=1024,
+    )
+    if tweak is not None:
+        tweak(server)
+    app = FastAPI()
+    server.install(app)
+    sock = socket.create_server(("127.0.0.1", 0))
+    web = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    thread = threading.Thread(target=web.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: web.started, DEADLINE_S, "the peer server to start")
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}{PEER_FILES_PATH}"
+    finally:
+        web.should_exit = True
+        thread.join(DEADLINE_S)
+        sock.close()
+
+
+class Catchup:
+    """`store.materialize(RUN, 0)` from `source` in a thread, keeping what it returned."""
+
+    def __init__(self, store: Store, source: HttpSource) -> None:
+        self.store = store
+        self.sourced = SourcedFetch([source])
+        self.tensors: dict[str, RawTensor] | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.tensors = self.store.materialize(RUN, 0, sources=self.sourced)
+        except BaseException as exc:  # reported by `result`
+            self.error = exc
+
+    def result(self) -> dict[str, RawTensor]:
+        self.thread.join(DEADLINE_S)
+        assert not self.thread.is_alive(), "the catch-up did not finish"
+        if self.error is not None:
+            raise self.error
+        assert self.tensors is not None
+        return self.tensors
+
+    def reasons(self) -> list[str]:
+        return [fault.reason for fault in self.sourced.faults]
+
+
+@dataclass
+class Tree:
+    origin: Path
+    history: dict[int, dict[str, RawTensor]]
+    upstream: Upstream
+    parent: Store
+    child: Store
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Iterator[Tree]:
+    origin = tmp_path / "origin"
+    history = publish_chain(Store(str(origin)), RUN, "F")
+    ref = VersionRef(RUN, 0)
+    manifest = Store(str(origin)).read_manifest(ref)
+    largest = max(
+        manifest.shard_files(),
+        key=lambda name: (origin / version_file_key(ref, name)).stat().st_size,
+    )
+    upstream = Upstream(origin, version_file_key(ref, largest))
+    server = start_upstream(upstream)
+    parent = Store(str(origin), cache_dir=tmp_path / "parent-files")
+    child = Store(str(origin), cache_dir=tmp_path / "child-files")
+    assert child.cache is not None
+    child.cache.streams = True  # the child forwards too: its own arriving bytes are visible
+    try:
+        yield Tree(origin, history, upstream, parent, child)
+    finally:
+        upstream.release.set()
+        server.shutdown()
+        server.server_close()
+
+
+def child_got_bytes_first(tree: Tree) -> None:
+    """Wait until the child holds part of the held file while the parent is still waiting
+    for the rest of it (so the parent cannot have forwarded a whole file)."""
+    key = tree.upstream.held
+    assert tree.upstream.half_sent.wait(DEADLINE_S), "the parent never asked the upstream"
+    assert tree.child.cache is not None and tree.parent.cache is not None
+    cache = tree.child.cache
+
+    def received() -> bool:
+        partial = cache.partial(key)
+        return partial is not None and partial.received > 0
+
+    wait_until(received, DEADLINE_S, "the child to receive the first half from its parent")
+    assert tree.parent.cache.path(key) is None
+
+
+def peer_source(url: str) -> HttpSource:
+    return HttpSource(url, token="engine-token", kind="peer", wait_s=DEADLINE_S, stall_s=30)
+
+
+def test_a_child_receives_a_file_its_parent_is_still_receiving(tree: Tree) -> None:
+    with serving_peer(tree.parent) as parent_url:
+        parent = Catchup(tree.parent, HttpSource(tree.upstream.url, stall_s=30))
+        child = Catchup(tree.child, peer_source(parent_url))
+        child_got_bytes_first(tree)
+        tree.upstream.release.set()
+        assert same_tensors(parent.result(), tree.history[0])
+        assert same_tensors(child.result(), tree.history[0])
+    assert child.reasons() == []
+    assert child.sourced.bytes_from["store"] == 0
+    assert child.sourced.bytes_from["peer"] > 0
+
+
+def test_a_parent_whose_upstream_fails_mid_file_sends_the_child_to_the_store(
+    tree: Tree,
+) -> None:
+    tree.upstream.ending = "cut"
+    with serving_peer(tree.parent) as parent_url:
+        parent = Catchup(tree.parent, HttpSource(tree.upstream.url, stall_s=30))
+        child = Catchup(tree.child, peer_source(parent_url))
+        child_got_bytes_first(tree)
+        tree.upstream.release.set()
+        assert same_tensors(parent.result(), tree.history[0])
+        assert same_tensors(child.result(), tree.history[0])
+    assert parent.reasons() == ["error"]
+    # The parent did nothing wrong: unavailable for this pass, not a fault to report.
+    assert child.reasons() == ["unavailable"]
+    assert child.sourced.bytes_rejected == 0
+    assert child.sourced.bytes_from["store"] > 0
+
+
+def test_a_parent_lying_mid_stream_is_caught_and_none_of_its_bytes_used(tree: Tree) -> None:
+    def lie(server: PeerServer) -> None:
+        """The parent forwards damaged bytes of the held file while its own copy stays good."""
+        cache = server.cache
+        receive = cache.receive
+
+        def damaged(key: str, size: int) -> PartialFile:
+            partial = receive(key, size)
+            if key != tree.upstream.held:
+                return partial
+            write = partial.write
+            partial.write = lambda chunk: write(bytes(b ^ 0x5A for b in chunk))  # type: ignore[method-assign]
+            return partial
+
+        cache.receive = damaged  # type: ignore[method-assign]
+
+    with serving_peer(tree.parent, lie) as parent_url:
+        parent = Catchup(tree.parent, HttpSource(tree.upstream.url, stall_s=30))
+        child = Catchup(tree.child, peer_source(parent_url))
+        child_got_bytes_first(tree)
+        tree.upstream.release.set()
+        assert same_tensors(parent.result(), tree.history[0])
+        assert same_tensors(child.result(), tree.history[0])
+    assert child.reasons() == ["digest"]
+    assert child.sourced.bytes_rejected > 0
+    assert child.sourced.bytes_from["store"] > 0
