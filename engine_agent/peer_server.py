@@ -215,40 +215,20 @@ class PeerServer:
             size = path.stat().st_size
         except FileNotFoundError:  # pruned meanwhile
             return _error(404, "NotFound", f"{key} was pruned")
-        start, end, status = 0, size, 200
-        wanted = request.headers.get("range")
-        if wanted:
-            span = _parse_range(wanted, size)
-            if span is None:
-                return Response(status_code=416, headers={"Content-Range": f"bytes */{size}"})
-            start, end, status = span[0], span[1], 206
-        headers = {"Content-Length": str(end - start), "Accept-Ranges": "bytes"}
-        if status == 206:
-            headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
-        return StreamingResponse(
-            self._stream(path, start, end),
-            status_code=status,
-            headers=headers,
-            media_type="application/octet-stream",
+        return _ranged(
+            request.headers.get("range"),
+            size,
+            {"Content-Length": ""},
+            lambda start, end: self._stream(path, start, end),
         )
 
     def _forward(self, partial: PartialFile, wanted: str | None) -> Response:
         """Stream a file this agent is still receiving (no length: it may end short)."""
-        start, end, status = 0, partial.size, 200
-        headers = {PARTIAL_HEADER: "1", "Accept-Ranges": "bytes"}
-        if wanted:
-            span = _parse_range(wanted, partial.size)
-            if span is None:
-                return Response(
-                    status_code=416, headers={"Content-Range": f"bytes */{partial.size}"}
-                )
-            start, end, status = span[0], span[1], 206
-            headers["Content-Range"] = f"bytes {start}-{end - 1}/{partial.size}"
-        return StreamingResponse(
-            self._stream_partial(partial, start, end),
-            status_code=status,
-            headers=headers,
-            media_type="application/octet-stream",
+        return _ranged(
+            wanted,
+            partial.size,
+            {PARTIAL_HEADER: "1"},
+            lambda start, end: self._stream_partial(partial, start, end),
         )
 
     async def _stream_partial(
@@ -307,6 +287,31 @@ class PeerServer:
                 continue
             if version <= applied - keep_versions:
                 shutil.rmtree(folder, ignore_errors=True)
+
+
+def _ranged(
+    wanted: str | None,
+    size: int,
+    headers: dict[str, str],
+    body: Callable[[int, int], AsyncIterator[bytes]],
+) -> Response:
+    """The answer streaming `body(start, end)` for the `Range` header `wanted` (200 for the
+    whole file, 206 for a single range, 416 for anything else); a `Content-Length` entry in
+    `headers` is filled in."""
+    start, end, status = 0, size, 200
+    if wanted:
+        span = _parse_range(wanted, size)
+        if span is None:
+            return Response(status_code=416, headers={"Content-Range": f"bytes */{size}"})
+        start, end, status = span[0], span[1], 206
+    headers = {**headers, "Accept-Ranges": "bytes"}
+    if "Content-Length" in headers:
+        headers["Content-Length"] = str(end - start)
+    if status == 206:
+        headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
+    return StreamingResponse(
+        body(start, end), status_code=status, headers=headers, media_type="application/octet-stream"
+    )
 
 
 def _parse_range(header: str, size: int) -> tuple[int, int] | None:

@@ -195,18 +195,26 @@ def child_got_bytes_first(tree: Tree) -> None:
     assert tree.parent.cache.path(key) is None
 
 
-def peer_source(url: str) -> HttpSource:
-    return HttpSource(url, token="engine-token", kind="peer", wait_s=DEADLINE_S, stall_s=30)
-
-
-def test_a_child_receives_a_file_its_parent_is_still_receiving(tree: Tree) -> None:
-    with serving_peer(tree.parent) as parent_url:
+def catch_up_through_parent(
+    tree: Tree, tweak: Callable[[PeerServer], None] | None = None
+) -> tuple[Catchup, Catchup]:
+    """Parent and child catch up together; the upstream's held file is let go only once the
+    child holds part of it. Both must end with the right tensors."""
+    with serving_peer(tree.parent, tweak) as parent_url:
         parent = Catchup(tree.parent, HttpSource(tree.upstream.url, stall_s=30))
-        child = Catchup(tree.child, peer_source(parent_url))
+        child = Catchup(
+            tree.child,
+            HttpSource(parent_url, token="engine-token", kind="peer", wait_s=DEADLINE_S),
+        )
         child_got_bytes_first(tree)
         tree.upstream.release.set()
         assert same_tensors(parent.result(), tree.history[0])
         assert same_tensors(child.result(), tree.history[0])
+    return parent, child
+
+
+def test_a_child_receives_a_file_its_parent_is_still_receiving(tree: Tree) -> None:
+    _parent, child = catch_up_through_parent(tree)
     assert child.reasons() == []
     assert child.sourced.bytes_from["store"] == 0
     assert child.sourced.bytes_from["peer"] > 0
@@ -216,13 +224,7 @@ def test_a_parent_whose_upstream_fails_mid_file_sends_the_child_to_the_store(
     tree: Tree,
 ) -> None:
     tree.upstream.ending = "cut"
-    with serving_peer(tree.parent) as parent_url:
-        parent = Catchup(tree.parent, HttpSource(tree.upstream.url, stall_s=30))
-        child = Catchup(tree.child, peer_source(parent_url))
-        child_got_bytes_first(tree)
-        tree.upstream.release.set()
-        assert same_tensors(parent.result(), tree.history[0])
-        assert same_tensors(child.result(), tree.history[0])
+    parent, child = catch_up_through_parent(tree)
     assert parent.reasons() == ["error"]
     # The parent did nothing wrong: unavailable for this pass, not a fault to report.
     assert child.reasons() == ["unavailable"]
@@ -246,13 +248,7 @@ def test_a_parent_lying_mid_stream_is_caught_and_none_of_its_bytes_used(tree: Tr
 
         cache.receive = damaged  # type: ignore[method-assign]
 
-    with serving_peer(tree.parent, lie) as parent_url:
-        parent = Catchup(tree.parent, HttpSource(tree.upstream.url, stall_s=30))
-        child = Catchup(tree.child, peer_source(parent_url))
-        child_got_bytes_first(tree)
-        tree.upstream.release.set()
-        assert same_tensors(parent.result(), tree.history[0])
-        assert same_tensors(child.result(), tree.history[0])
+    _parent, child = catch_up_through_parent(tree, lie)
     assert child.reasons() == ["digest"]
     assert child.sourced.bytes_rejected > 0
     assert child.sourced.bytes_from["store"] > 0
