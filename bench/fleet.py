@@ -412,10 +412,10 @@ def _serve_damaged(agent: Any) -> None:
     def damaged_receive(key: str, size: int) -> Any:
         partial = receive(key, size)
         write = partial.write
-        partial.write = lambda chunk: write(bytes(b ^ 0x5A for b in chunk))  # type: ignore[method-assign]
+        partial.write = lambda chunk: write(bytes(b ^ 0x5A for b in chunk))
         return partial
 
-    cache.receive = damaged_receive  # type: ignore[method-assign]
+    cache.receive = damaged_receive
 
     def damage(key: str) -> None:
         path = cache.root / key
