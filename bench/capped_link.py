@@ -4,16 +4,19 @@ Owns `Link` (a first-come-first-served link of a fixed bandwidth: each transfer 
 behind the ones already on it and takes size / rate seconds) and `CappedObjects`, an
 `ObjectStore` adapter that reads through a shared inner store and then holds the calling
 thread until the bytes would have crossed both the agent's own link and the store's
-egress link. Every byte read is counted (`Egress`) so the benchmark can report store egress
-per version. It models time only: the bytes are the real ones from the real S3 server, and
-writes pass through uncapped (the benchmark's agents only read). Never used outside
-`bench/`.
+egress link (`SharedLink`: one queue for the agents of every swarm process, in shared
+memory). Every byte read is counted (`Egress`, shared the same way) so the benchmark can
+report store egress per version. It models time only: the bytes are the real ones from
+the real S3 server, and writes pass through uncapped (the benchmark's agents only read).
+Never used outside `bench/`.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import threading
 import time
+from multiprocessing.context import BaseContext
 
 from store.objects.base import Cell, Listing, ObjectStore
 
@@ -37,18 +40,45 @@ class Link:
             return self._free_at
 
 
-class Egress:
-    """Bytes read from the store, in total (thread-safe)."""
+class SharedLink(Link):
+    """A `Link` shared by the threads of several processes (the store's egress, which every
+    swarm worker's agents read through): its queue lives in shared memory. Hand it to the
+    worker processes when they are started (it pickles only then)."""
 
-    def __init__(self) -> None:
-        self.bytes = 0
-        self.reads = 0
-        self._lock = threading.Lock()
+    def __init__(self, rate: float | None, context: BaseContext) -> None:
+        self.rate = rate
+        self._shared_free_at = context.Value("d", 0.0, lock=True)
+
+    def reserve(self, size: int, now: float) -> float:
+        if self.rate is None or self.rate <= 0:
+            return now
+        free_at = self._shared_free_at
+        with free_at.get_lock():
+            start = max(now, free_at.value)
+            free_at.value = start + size / self.rate
+            return float(free_at.value)
+
+
+class Egress:
+    """Bytes read from the store, in total, over every process it was handed to."""
+
+    def __init__(self, context: BaseContext | None = None) -> None:
+        context = context or multiprocessing.get_context("spawn")
+        self._bytes = context.Value("q", 0, lock=True)
+        self._reads = context.Value("q", 0, lock=False)
+
+    @property
+    def bytes(self) -> int:
+        return int(self._bytes.value)
+
+    @property
+    def reads(self) -> int:
+        return int(self._reads.value)
 
     def add(self, size: int) -> None:
-        with self._lock:
-            self.bytes += size
-            self.reads += 1
+        with self._bytes.get_lock():
+            self._bytes.value += size
+            self._reads.value += 1
 
 
 class CappedObjects(ObjectStore):

@@ -1,31 +1,31 @@
 """`tether bench fleet`: a swarm of real engine agents catching up on a chain of versions.
 
 Starts its own PostgreSQL (`launcher.postgres`), SeaweedFS S3 (`launcher.seaweed`) and a
-control plane on them, then runs N real `engine_agent.agent.Agent`s in this one process
-(asyncio): each its reconciler (fetch, fold, verify, staging, commit), heartbeats and target
-long-polls over real HTTP, its own proxy port, and a `NullEngine` that only records commits.
+control plane on them, then N real `engine_agent.agent.Agent`s spread over `--swarm-procs`
+worker processes (`bench/swarm.py`), each with a `NullEngine` that only records commits.
 Every agent reads the store through a `CappedObjects` (bench/capped_link.py): its own link
-capped at `--agent-link-mbps` and the store's egress capped at `--store-egress-mbps`, so
-the figures model a cloud rather than loopback.
+capped at `--agent-link-mbps` and the store's egress, shared by every process, capped at
+`--store-egress-mbps`, so the figures model a cloud rather than loopback.
 
 The run: one agent alone catches up on v1 (the single-engine catch-up time under the same
-caps), then the other agents start (booted on v0, they catch up on v1), then `--versions`
-versions are published one at a time, each once the fleet serves the previous one. Per
-version: seconds from publication until 50/90/99/100 % of the engines serve it, store bytes
-read while it spread over its size, and every long-poll that woke an agent for it. Over the
-whole chain: heartbeat round trips as the agents see them, control-plane CPU.
+caps), then the other agents start (at `--start-per-s`, booted on v0, they catch up on v1),
+then `--versions` versions are published one at a time, each once the fleet serves the
+previous one. Per version: seconds from publication until 50/90/99/100 % of the engines
+serve it, store bytes read while it spread over its size, and every long-poll that woke an
+agent for it. Over the whole chain: heartbeat round trips and wake-ups as the agents see
+them and as the control plane saw them (its own histograms, `bench/cp_latency.py`), the
+swarm's event-loop lag, control-plane and swarm CPU.
 
-With several `--engines`, each scale runs on a fresh stack and two models of the time to 99 %
+With several `--engines`, each scale runs on a fresh stack and models of the time to 99 %
 are fitted to the points (linear in N: the store's egress is the bottleneck; logarithmic in
-N: a fan-out tree is), with their error on the measured points and their prediction for
-10,000 engines. Ends with ONE JSON line (the largest scale's figures and the models).
-It measures; it never asserts. Heavy scales are a benchmark, never a test.
+N: a fan-out tree is; the tree anchored at one engine's catch-up), with their error on each
+measured point and their prediction for 10,000 engines. Ends with ONE JSON line (the largest
+scale's figures and the models). It measures; it never asserts. Heavy scales are a
+benchmark, never a test.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import logging
 import math
@@ -37,7 +37,6 @@ import tempfile
 import time
 from collections import Counter as Tally
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,19 +44,14 @@ from typing import Any
 import httpx
 import typer
 
-from bench.capped_link import CappedObjects, Egress, Link
-from bench.null_engine import NullEngine
+from bench import cp_latency
+from bench.swarm import SwarmPool, SwarmSpec
 from launcher.processes import TETHER, ManagedProcess, ProcessGroup, free_port
 
 log = logging.getLogger(__name__)
 
 RUN = "fleet"
-MB = 1_000_000
 CONVERGE_DEADLINE_S = 600.0
-S3_CLIENTS = 8
-# Agents start in waves of this many, each wave registered before the next starts (as an
-# orchestrator rolls out replicas; all at once is a registration storm on a small machine).
-START_WAVE = 50
 TARGET_N = 10_000
 
 
@@ -72,7 +66,12 @@ class FleetConfig:
     store_egress_mbps: float = 0.3
     heartbeat_s: float = 2.0
     lease_s: float = 20.0
+    # Fetch threads of each swarm process (one pool for all its agents).
     threads: int = 256
+    # Swarm worker processes, each running its share of the agents on its own event loop.
+    procs: int = field(default_factory=lambda: default_procs())
+    # Agents started per second over the whole swarm (never in waves waiting on the slowest).
+    start_per_s: float = 100.0
     # Peer-assisted fetch (docs/peers.md): agents read version files from each other first,
     # each uploading at most its link's rate.
     peers: bool = False
@@ -89,6 +88,11 @@ class FleetConfig:
             "agent_link_MBps": self.agent_link_mbps,
             "store_egress_MBps": self.store_egress_mbps,
         }
+
+
+def default_procs() -> int:
+    """One swarm process per core (the control plane and servers share them)."""
+    return max(1, os.cpu_count() or 1)
 
 
 @dataclass
@@ -246,204 +250,6 @@ class Trainer:
         self.client.close()
 
 
-class Probes:
-    """What the agents' HTTP clients see: heartbeat round trips and long-poll wake-ups."""
-
-    def __init__(self) -> None:
-        self.heartbeat_s: list[float] = []
-        # version → wall times at which a target long-poll handed an agent that version.
-        self.woken: dict[int, list[float]] = {}
-        self.loop_lag_s: list[float] = []
-        self.recording = False
-
-    def hooks(self) -> dict[str, list[Any]]:
-        return {"request": [self._sent], "response": [self._answered]}
-
-    async def _sent(self, request: httpx.Request) -> None:
-        request.extensions["fleet_sent"] = time.perf_counter()
-
-    async def _answered(self, response: httpx.Response) -> None:
-        path = response.request.url.path
-        sent = response.request.extensions.get("fleet_sent")
-        if path.endswith("/heartbeat") and sent is not None and self.recording:
-            self.heartbeat_s.append(time.perf_counter() - sent)
-        elif path.endswith("/target") and response.status_code == 200:
-            await response.aread()
-            reply = response.json()
-            target = reply.get("target_version")
-            if reply.get("changed") and target is not None:
-                self.woken.setdefault(int(target), []).append(time.time())
-
-
-class Swarm:
-    """N agents in this process, each with a null engine, a capped link and its own ports."""
-
-    def __init__(self, stack: Stack, config: FleetConfig, boot: Path, work: Path) -> None:
-        from store.objects import open_objects
-
-        self.stack = stack
-        self.config = config
-        self.boot = boot
-        self.work = work
-        # A few S3 clients for the whole swarm (boto3 keeps 10 connections each): one per
-        # agent would cost more memory and start-up time than the agent itself. Each agent
-        # still has its own capped link.
-        self.objects = [
-            open_objects(stack.store_url, dict(stack.s3.storage_options)) for _ in range(S3_CLIENTS)
-        ]
-        self.store_link = Link(config.store_egress_mbps * MB)
-        self.egress = Egress()
-        self.probes = Probes()
-        self.engines: list[NullEngine] = []
-        self.agents: list[Any] = []
-        self.tasks: list[asyncio.Task[int]] = []
-        self.changed = asyncio.Event()
-
-    def _committed(self, _version: int) -> None:
-        self.changed.set()
-
-    def add(self, count: int) -> None:
-        from engine_agent.agent import Agent
-        from engine_agent.control_client import ControlClient
-        from engine_agent.settings import AgentSettings
-        from store.store import Store
-        from wire import Precision
-
-        for _ in range(count):
-            index = len(self.agents)
-            settings = AgentSettings(
-                engine_url="http://127.0.0.1:9",
-                precision=Precision.BF16,
-                run=RUN,
-                store=self.stack.store_url,
-                control_plane=self.stack.url,
-                token=self.stack.tokens["engine"],
-                boot_model=self.boot,
-                boot_version=0,
-                work_dir=self.work / f"agent-{index}",
-                engine_probe_s=5.0,
-                long_poll_s=20.0,
-                retry_initial_s=0.2,
-                retry_max_s=2.0,
-                peer_fetch=self.config.peers,
-                peer_upload_bytes_per_s=self.config.agent_link_mbps * MB,
-                peer_chunk_bytes=self.config.peer_chunk_bytes,
-            )
-            engine = NullEngine(f"engine-{index}", 0, self._committed)
-            link = Link(self.config.agent_link_mbps * MB)
-            inner = self.objects[index % len(self.objects)]
-            capped = CappedObjects(inner, link, self.store_link, self.egress)
-            # With peer fetch the agent keeps what it fetched, verified, to serve it.
-            cache = self.work / f"agent-{index}" / "peer-files" if self.config.peers else None
-            store = Store(inner.url, objects=capped, cache_dir=cache)
-            control = ControlClient(
-                settings.control_planes, settings.token, event_hooks=self.probes.hooks()
-            )
-            agent = Agent(settings, engine, store=store, control=control)
-            if (
-                self.config.bad_peers
-                and index % max(1, self.config.engines // self.config.bad_peers) == 0
-            ):
-                _serve_damaged(agent)
-            self.engines.append(engine)
-            self.agents.append(agent)
-            self.tasks.append(asyncio.create_task(agent.run(), name=f"agent-{index}"))
-
-    def serving(self, version: int) -> int:
-        return sum(1 for e in self.engines if int(e.label) >= version)
-
-    async def wait_serving(self, version: int, count: int, deadline_s: float) -> None:
-        """Until `count` engines serve `version` (or newer); raise past the deadline."""
-        deadline = time.monotonic() + deadline_s
-        while self.serving(version) < count:
-            for task in self.tasks:
-                if task.done():
-                    raise RuntimeError(f"{task.get_name()} exited with {task.result()}")
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(
-                    f"{self.serving(version)}/{count} engines serve v{version} after "
-                    f"{deadline_s:.0f}s"
-                )
-            self.changed.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.changed.wait(), timeout=min(left, 1.0))
-
-    async def wait_registered(self, count: int, deadline_s: float) -> None:
-        deadline = time.monotonic() + deadline_s
-        while sum(1 for a in self.agents if a.engine_id is not None) < count:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"fewer than {count} agents registered in {deadline_s:.0f}s")
-            await asyncio.sleep(0.1)
-
-    def reached(self, version: int, published_at: float) -> list[float]:
-        """Seconds from publication until each engine first committed `version` or newer."""
-        times = []
-        for engine in self.engines:
-            first = next((t for v, t in engine.commits if v >= version), None)
-            if first is not None:
-                times.append(max(0.0, first - published_at))
-        return sorted(times)
-
-    def differing(self) -> int:
-        """Commits whose staged weights differ from the most common ones of that version."""
-        by_version: dict[int, Tally[str]] = {}
-        for engine in self.engines:
-            for version, digest in engine.digests.items():
-                by_version.setdefault(version, Tally())[digest] += 1
-        return sum(sum(t.values()) - max(t.values()) for t in by_version.values())
-
-    async def close(self) -> None:
-        for agent in self.agents:
-            agent.stop()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
-
-
-def _serve_damaged(agent: Any) -> None:
-    """Damage each file the agent keeps for its peers as soon as it is saved, and every byte
-    it forwards while a file arrives (the agent's own catch-up already holds the good bytes),
-    so every peer that reads from it gets bad ones."""
-    cache = agent.store.cache
-    if cache is None:
-        return
-    serve = cache.on_saved
-    receive = cache.receive
-
-    def damaged_receive(key: str, size: int) -> Any:
-        partial = receive(key, size)
-        write = partial.write
-        partial.write = lambda chunk: write(bytes(b ^ 0x5A for b in chunk))
-        return partial
-
-    cache.receive = damaged_receive
-
-    def damage(key: str) -> None:
-        path = cache.root / key
-        data = path.read_bytes()
-        path.write_bytes(bytes(b ^ 0x5A for b in data[:256]) + data[256:])
-        if serve is not None:
-            serve(key)
-
-    cache.on_saved = damage
-
-
-def _stop_on_signals(loop: asyncio.AbstractEventLoop) -> None:
-    """Ctrl-C / SIGTERM end the measurement (and stop every server): each agent installs
-    its own handlers when it starts, so the bench takes them back after each wave."""
-    main = asyncio.current_task()
-    assert main is not None
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, main.cancel)
-
-
-async def _loop_lag(out: list[float], period_s: float = 0.1) -> None:
-    """Record how much later than asked each `period_s` sleep of this loop ends."""
-    while True:
-        asked = time.perf_counter()
-        await asyncio.sleep(period_s)
-        out.append(max(0.0, time.perf_counter() - asked - period_s))
-
-
 def fraction_time(times: list[float], total: int, fraction: float) -> float | None:
     """Seconds until `fraction` of `total` engines got there (None if they never did)."""
     needed = max(1, math.ceil(fraction * total - 1e-9))
@@ -457,52 +263,69 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
-async def _measure(config: FleetConfig, work: Path, say: Callable[[str], None]) -> dict[str, Any]:
-    loop = asyncio.get_running_loop()
-    # Fetches run on worker threads and a capped link holds its thread: enough threads
-    # that the caps, not the pool, bound how many agents fetch at once.
-    loop.set_default_executor(ThreadPoolExecutor(max_workers=config.threads))
-    stack = await asyncio.to_thread(Stack.start, work, config)
+def _measure(config: FleetConfig, work: Path, say: Callable[[str], None]) -> dict[str, Any]:
+    began = time.perf_counter()
+    stack = Stack.start(work, config)
+    say(f"PostgreSQL, S3 and the control plane up in {time.perf_counter() - began:.1f}s")
     trainer: Trainer | None = None
-    swarm: Swarm | None = None
+    pools: list[SwarmPool] = []  # the one started, for the cleanup
     try:
         trainer = Trainer(stack, config)
         boot = work / "boot"
-        await asyncio.to_thread(trainer.boot, boot)
-        swarm = Swarm(stack, config, boot, work / "agents")
+        trainer.boot(boot)
+        spec = SwarmSpec(
+            engines=config.engines, run=RUN, control_plane=stack.url,
+            engine_token=stack.tokens["engine"], store_url=stack.store_url,
+            storage_options=dict(stack.s3.storage_options), boot=boot, work=work / "agents",
+            agent_link_mbps=config.agent_link_mbps, threads=config.threads,
+            start_per_s=config.start_per_s, peers=config.peers, bad_peers=config.bad_peers,
+            peer_chunk_bytes=config.peer_chunk_bytes,
+        )  # fmt: skip
+        procs = max(1, min(config.procs, config.engines))
+        began = time.perf_counter()
+        pool = SwarmPool(spec, procs, config.store_egress_mbps)
+        pools.append(pool)
+        say(f"{procs} swarm processes ready in {time.perf_counter() - began:.1f}s")
         # The single-engine catch-up under the same caps: one agent alone on v1.
-        swarm.add(1)
-        await swarm.wait_registered(1, 120.0)
-        _stop_on_signals(loop)
-        v1 = await asyncio.to_thread(trainer.publish_next)
-        await swarm.wait_serving(v1, 1, CONVERGE_DEADLINE_S)
-        single_s = swarm.reached(v1, trainer.published_at[v1])[0]
+        pool.add([0])
+        pool.wait_until(lambda: 0 in pool.registered, 120.0, lambda: "agent-0 not registered")
+        v1 = trainer.publish_next()
+        pool.wait_serving(v1, 1, CONVERGE_DEADLINE_S)
+        single_s = pool.reached(v1, trainer.published_at[v1])[0]
         say(f"single engine catches up on v{v1} ({trainer.sizes[v1]} B) in {single_s:.3f}s")
         started = time.perf_counter()
-        while len(swarm.agents) < config.engines:
-            swarm.add(min(START_WAVE, config.engines - len(swarm.agents)))
-            await swarm.wait_registered(len(swarm.agents), 300.0)
-            _stop_on_signals(loop)
-        await swarm.wait_serving(v1, config.engines, CONVERGE_DEADLINE_S)
-        say(f"{config.engines} agents up and on v{v1} in {time.perf_counter() - started:.1f}s")
+        pool.add(range(1, config.engines))
+        # Time to start them at the asked rate, and as long again for a slow machine.
+        start_deadline = 120.0 + 2 * config.engines / config.start_per_s
+        pool.wait_until(
+            lambda: len(pool.registered) >= config.engines,
+            start_deadline,
+            lambda: f"{len(pool.registered)}/{config.engines} agents registered",
+        )
+        registered_s = time.perf_counter() - started
+        pool.wait_serving(v1, config.engines, CONVERGE_DEADLINE_S)
+        say(
+            f"{config.engines} agents in {procs} processes registered in {registered_s:.1f}s, "
+            f"on v{v1} in {time.perf_counter() - started:.1f}s"
+        )
         rows = []
-        swarm.probes.recording = True
-        lag_probe = asyncio.create_task(_loop_lag(swarm.probes.loop_lag_s), name="loop lag")
-        cpu0, wall0, own0 = stack.controlplane_cpu_s(), time.perf_counter(), time.process_time()
+        pool.record(True)
+        cp_before = cp_latency.scrape(stack.url)
+        cpu0, wall0 = stack.controlplane_cpu_s(), time.perf_counter()
         for _ in range(config.versions):
-            egress0 = swarm.egress.bytes
-            version = await asyncio.to_thread(trainer.publish_next)
+            egress0 = pool.egress.bytes
+            version = trainer.publish_next()
             published = trainer.published_at[version]
-            await swarm.wait_serving(version, config.engines, CONVERGE_DEADLINE_S)
-            times = swarm.reached(version, published)
-            seen = await asyncio.to_thread(trainer.convergence, version)
-            woken = [t - published for t in swarm.probes.woken.get(version, [])]
+            pool.wait_serving(version, config.engines, CONVERGE_DEADLINE_S)
+            times = pool.reached(version, published)
+            seen = trainer.convergence(version)
+            woken = [t - published for t in pool.woken.get(version, [])]
             row: dict[str, Any] = {
                 "version": version,
                 "version_bytes": trainer.sizes[version],
                 **{f"t{int(f * 100)}_s": fraction_time(times, config.engines, f)
                    for f in (0.5, 0.9, 0.99, 1.0)},
-                "store_egress_bytes": swarm.egress.bytes - egress0,
+                "store_egress_bytes": pool.egress.bytes - egress0,
                 "wake_p50_s": percentile(woken, 0.5),
                 "wake_p99_s": percentile(woken, 0.99),
                 "woken": len(woken),
@@ -521,24 +344,34 @@ async def _measure(config: FleetConfig, work: Path, say: Callable[[str], None]) 
             )
         wall = time.perf_counter() - wall0
         cp_cpu = stack.controlplane_cpu_s() - cpu0
-        own_cpu = time.process_time() - own0
-        swarm.probes.recording = False
-        lag_probe.cancel()
+        pool.record(False)
+        cp_seen = cp_latency.window(cp_before, cp_latency.scrape(stack.url))
+        began = time.perf_counter()
+        summaries = pool.stop()
+        say(f"{config.engines} agents stopped in {time.perf_counter() - began:.1f}s")
         wakes = [t - trainer.published_at[r["version"]] for r in rows
-                 for t in swarm.probes.woken.get(r["version"], [])]  # fmt: skip
-        beats = swarm.probes.heartbeat_s
+                 for t in pool.woken.get(r["version"], [])]  # fmt: skip
+        beats = [b for s in summaries for b in s["heartbeat_s"]]
+        lag = [x for s in summaries for x in s["loop_lag_s"]]
+        cp_beats = cp_seen["tether_heartbeat_seconds"]
+        cp_wakes = cp_seen["tether_target_wake_seconds"]
 
         def mean(key: str) -> float:
             return sum(r[key] for r in rows) / len(rows)
 
+        def total(key: str) -> Any:
+            return sum((Tally(s[key]) for s in summaries), Tally())
+
         p99 = mean("t99_s")
-        differing = swarm.differing()
+        differing = pool.differing()
         return {
             "engines": config.engines,
             "versions": config.versions,
             "version_bytes": round(mean("version_bytes")),
             "caps": config.caps,
             "heartbeat_interval_s": config.heartbeat_s,
+            "swarm_procs": procs,
+            "agents_registered_s": round(registered_s, 2),
             "single_catchup_s": round(single_s, 4),
             "converged_p50_s": round(mean("t50_s"), 4),
             "converged_p90_s": round(mean("t90_s"), 4),
@@ -549,40 +382,47 @@ async def _measure(config: FleetConfig, work: Path, say: Callable[[str], None]) 
                 sum(r["store_egress_bytes"] for r in rows) / sum(r["version_bytes"] for r in rows),
                 3,
             ),
-            "peer_bytes": sum(a.status.fetched_bytes.get("peer", 0) for a in swarm.agents),
-            "store_bytes": sum(a.status.fetched_bytes.get("store", 0) for a in swarm.agents),
+            "peer_bytes": sum(s["peer_bytes"] for s in summaries),
+            "store_bytes": sum(s["store_bytes"] for s in summaries),
             # Bytes a source served that failed verification (thrown away), and the sources
             # dropped by reason (digest, size, stall, error, unavailable).
-            "rejected_bytes": sum(a.status.rejected_bytes for a in swarm.agents),
-            "source_faults": dict(
-                sum((Tally(a.status.source_faults) for a in swarm.agents), Tally())
-            ),
+            "rejected_bytes": sum(s["rejected_bytes"] for s in summaries),
+            "source_faults": dict(total("source_faults")),
             # Engines whose staged weights for a version differ from the others' (the
             # store's bytes, verified): any byte of a bad peer that got through shows here.
             "commits_differing": differing,
             "bad_peer_bytes_used": 0 if differing == 0 else None,
+            # Client side (the agents' HTTP clients, so the swarm's own lateness included)...
             "heartbeats": len(beats),
             "heartbeat_p50_ms": _ms(percentile(beats, 0.5)),
             "heartbeat_p99_ms": _ms(percentile(beats, 0.99)),
             "wake_p50_ms": _ms(percentile(wakes, 0.5)),
             "wake_p99_ms": _ms(percentile(wakes, 0.99)),
+            # ...and the control plane's side (its histograms, linear within a bucket).
+            "cp_heartbeats": cp_latency.count(cp_beats),
+            "cp_heartbeat_p50_ms": _ms(cp_latency.quantile(cp_beats, 0.5)),
+            "cp_heartbeat_p99_ms": _ms(cp_latency.quantile(cp_beats, 0.99)),
+            "cp_wakes": cp_latency.count(cp_wakes),
+            "cp_wake_p50_ms": _ms(cp_latency.quantile(cp_wakes, 0.5)),
+            "cp_wake_p99_ms": _ms(cp_latency.quantile(cp_wakes, 0.99)),
             "controlplane_cpu_cores": round(cp_cpu / wall, 3),
-            "swarm_cpu_cores": round(own_cpu / wall, 3),
-            # How late the swarm's own event loop wakes (a 100 ms sleep's overshoot): the
-            # part of every latency above that is this process's, not the control plane's.
-            "swarm_loop_lag_p50_ms": _ms(percentile(swarm.probes.loop_lag_s, 0.5)),
-            "swarm_loop_lag_p99_ms": _ms(percentile(swarm.probes.loop_lag_s, 0.99)),
+            "swarm_cpu_cores": round(sum(s["cpu_s"] for s in summaries) / wall, 3),
+            # How late the swarm's event loops wake (a 100 ms sleep's overshoot, all
+            # processes): the part of the client-side latencies that is the swarm's own.
+            "swarm_loop_lag_p50_ms": _ms(percentile(lag, 0.5)),
+            "swarm_loop_lag_p99_ms": _ms(percentile(lag, 0.99)),
             # Reconcile passes that failed and were retried (timeouts on a starved machine),
             # by error type: each re-reads its versions from the store.
-            "failed_passes": dict(sum((Tally(a.status.failures) for a in swarm.agents), Tally())),
+            "failed_passes": dict(total("failures")),
+            "load_1m": round(os.getloadavg()[0], 2),
             "per_version": rows,
         }
     finally:
-        if swarm is not None:
-            await swarm.close()
+        for each in pools:
+            each.close()
         if trainer is not None:
             trainer.close()
-        await asyncio.to_thread(stack.close)
+        stack.close()
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -592,10 +432,11 @@ def _ms(seconds: float | None) -> float | None:
 def measure(config: FleetConfig, say: Callable[[str], None] = print) -> dict[str, Any]:
     """One scale on a fresh stack in a temporary folder (removed afterwards)."""
     work = Path(tempfile.mkdtemp(prefix="tether-bench-fleet-"))
+    # SIGTERM ends the measurement as Ctrl-C does: through the cleanup (every server and
+    # swarm process stopped).
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        return asyncio.run(_measure(config, work, say))
-    except asyncio.CancelledError:
-        raise KeyboardInterrupt from None  # a signal ended it (after the cleanup)
+        return _measure(config, work, say)
     except Exception:
         # Keep the servers' logs of a failed scale: they say what gave way.
         kept = Path(tempfile.mkdtemp(prefix="tether-bench-fleet-logs-"))
@@ -603,26 +444,49 @@ def measure(config: FleetConfig, say: Callable[[str], None] = print) -> dict[str
         say(f"the servers' logs are kept in {kept}")
         raise
     finally:
+        signal.signal(signal.SIGTERM, previous)
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _interrupt(_signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+FORMS = {"linear": "N", "log": "log2(N)", "tree": "log2(N)"}
 
 
 @dataclass(frozen=True)
 class Fit:
-    """t(N) = a + b·g(N) by least squares, g = N (linear) or log2 N (tree)."""
+    """t(N) = a + b·g(N) by least squares: g = N (`linear`: the store's egress is the
+    bottleneck) or log2 N (`log`: a fan-out tree; `tree`: the same with a fixed at one
+    engine's measured catch-up, so only the cost per tree level is fitted)."""
 
     form: str
     a: float
     b: float
-    max_rel_error: float
+    # (engines, measured seconds, predicted seconds) for each point it was fitted to.
+    points: tuple[tuple[int, float, float], ...] = ()
+
+    @property
+    def max_rel_error(self) -> float:
+        return max((abs(p - t) / t for _, t, p in self.points if t > 0), default=0.0)
 
     def predict(self, n: float) -> float:
         return self.a + self.b * _basis(self.form, n)
 
     def as_dict(self) -> dict[str, Any]:
-        g = "N" if self.form == "linear" else "log2(N)"
         return {
-            "form": f"t = {self.a:.4g} + {self.b:.4g}·{g}",
+            "form": f"t = {self.a:.4g} + {self.b:.4g}·{FORMS[self.form]}",
             "max_rel_error_on_measured": round(self.max_rel_error, 4),
+            "on_measured": [
+                {
+                    "engines": n,
+                    "measured_s": round(t, 3),
+                    "predicted_s": round(p, 3),
+                    "error": round((p - t) / t, 4) if t > 0 else None,
+                }
+                for n, t, p in self.points
+            ],
             f"predicted_{TARGET_N}_s": round(self.predict(TARGET_N), 3),
         }
 
@@ -631,29 +495,44 @@ def _basis(form: str, n: float) -> float:
     return n if form == "linear" else math.log2(n)
 
 
-def fit(points: list[tuple[int, float]], form: str) -> Fit:
-    """Least-squares fit of `form` to (engines, seconds) points (one point: b = 0)."""
+def fit(points: list[tuple[int, float]], form: str, anchor: float | None = None) -> Fit:
+    """Least-squares fit of `form` to (engines, seconds) points (one point: b = 0);
+    with `anchor`, a is fixed at it and only b is fitted."""
     xs = [_basis(form, n) for n, _ in points]
     ys = [t for _, t in points]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    var = sum((x - mx) ** 2 for x in xs)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var > 0 else 0.0
-    a = my - b * mx
-    errors = [abs(a + b * x - y) / y for x, y in zip(xs, ys, strict=True) if y > 0]
-    return Fit(form, a, b, max(errors, default=0.0))
+    if anchor is not None:
+        a = anchor
+        square = sum(x * x for x in xs)
+        b = sum(x * (y - a) for x, y in zip(xs, ys, strict=True)) / square if square else 0.0
+    else:
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        var = sum((x - mx) ** 2 for x in xs)
+        b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else 0.0
+        a = my - b * mx
+    fitted = tuple((n, t, a + b * x) for (n, t), x in zip(points, xs, strict=True))
+    return Fit(form, a, b, fitted)
 
 
 def models(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """Both fits of the time to 99 % over the measured scales, and the better one's
+    """The fits of the time to 99 % over the measured scales, and the best one's
     prediction for `TARGET_N` engines."""
     points = [(r["engines"], r["converged_p99_s"]) for r in results]
-    fits = [fit(points, "linear"), fit(points, "log")]
+    single = sum(r["single_catchup_s"] for r in results) / len(results)
+    fits = [fit(points, "linear"), fit(points, "log"), fit(points, "tree", anchor=single)]
     best = min(fits, key=lambda f: f.max_rel_error)
     return {
         "converged_p99": {f.form: f.as_dict() for f in fits},
         "converged_p99_best": best.form,
         f"converged_p99_predicted_{TARGET_N}_s": round(best.predict(TARGET_N), 3),
     }
+
+
+def earlier_scales(path: Path) -> list[dict[str, Any]]:
+    """The scales in the last JSON line of an earlier run's output saved in `path`."""
+    last = [line for line in path.read_text().splitlines() if line.startswith("{")][-1]
+    summary = json.loads(last)
+    scales: list[dict[str, Any]] = summary.get("scales") or [summary]
+    return scales
 
 
 def run(
@@ -663,9 +542,16 @@ def run(
     agent_link_mbps: float = typer.Option(0.03, help="each agent's link in MB/s"),
     store_egress_mbps: float = typer.Option(0.3, help="the store's egress in MB/s"),
     heartbeat_s: float = typer.Option(5.0, help="heartbeat interval the control plane asks"),
-    threads: int = typer.Option(256, help="fetch worker threads in the swarm process"),
+    threads: int = typer.Option(256, help="fetch worker threads in each swarm process"),
+    swarm_procs: int = typer.Option(
+        0, help="swarm worker processes (0: one per core)", show_default=False
+    ),
+    start_per_s: float = typer.Option(100.0, help="agents started per second (whole swarm)"),
     peers: bool = typer.Option(False, help="peer-assisted fetch between the agents"),
     bad_peers: int = typer.Option(0, help="agents that serve their peers damaged files"),
+    earlier: list[Path] = typer.Option(
+        [], help="saved output of an earlier run: its scales join this run's for the models"
+    ),
 ) -> None:
     """A swarm of real agents with null engines: convergence, store egress, heartbeats."""
     logging.basicConfig(level=logging.WARNING)
@@ -677,10 +563,14 @@ def run(
         config = FleetConfig(
             engines=n, versions=versions, model_kb=model_kb, agent_link_mbps=agent_link_mbps,
             store_egress_mbps=store_egress_mbps, heartbeat_s=heartbeat_s,
-            lease_s=max(10.0, heartbeat_s * 5), threads=threads, peers=peers,
+            lease_s=max(10.0, heartbeat_s * 5), threads=threads,
+            procs=swarm_procs or default_procs(), start_per_s=start_per_s, peers=peers,
             bad_peers=bad_peers,
         )  # fmt: skip
-        print(f"--- {n} engines, caps {config.caps}, load {os.getloadavg()[0]:.2f}")
+        print(
+            f"--- {n} engines in {min(n, config.procs)} swarm processes, caps {config.caps}, "
+            f"load {os.getloadavg()[0]:.2f}"
+        )
         try:
             result = measure(config)
         except Exception as exc:  # a scale the machine cannot hold: say why, go on
@@ -692,8 +582,11 @@ def run(
             f"{n} engines: 99% in {result['converged_p99_s']:.2f}s = "
             f"{result['converged_p99_over_single']}× one engine ({result['single_catchup_s']:.2f}s)"
             f"; store egress {result['store_egress_over_version_bytes']}× the version; "
-            f"heartbeat p99 {result['heartbeat_p99_ms']} ms; wake p99 {result['wake_p99_ms']} ms;"
-            f" control plane {result['controlplane_cpu_cores']} cores"
+            f"heartbeat p99 {result['heartbeat_p99_ms']} ms (control plane's side "
+            f"{result['cp_heartbeat_p99_ms']} ms); wake p99 {result['wake_p99_ms']} ms "
+            f"(control plane's side {result['cp_wake_p99_ms']} ms); swarm loop lag p99 "
+            f"{result['swarm_loop_lag_p99_ms']} ms; control plane "
+            f"{result['controlplane_cpu_cores']} cores, swarm {result['swarm_cpu_cores']} cores"
         )
     if not results:
         print(json.dumps({"engines": 0, "failed": failures}))
@@ -701,11 +594,11 @@ def run(
     summary = {k: v for k, v in results[-1].items() if k != "per_version"}
     summary["failed"] = failures
     summary["scales"] = [{k: v for k, v in r.items() if k != "per_version"} for r in results]
-    if len(results) > 1:
-        summary["model"] = models(results)
+    scales = [s for path in earlier for s in earlier_scales(path)] + summary["scales"]
+    if len({s["engines"] for s in scales}) > 1:
+        summary["model"] = models(sorted(scales, key=lambda s: s["engines"]))
         for form, described in summary["model"]["converged_p99"].items():
             print(f"model ({form}): {described}")
-    summary["load_1m"] = round(os.getloadavg()[0], 2)
     print(json.dumps(summary))
 
 

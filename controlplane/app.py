@@ -402,6 +402,7 @@ def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:
         timeout: float = Query(30.0, ge=0, description="seconds to wait at most"),
         _: Role = Depends(role(ENGINE)),
     ) -> TargetReply:
+        arrived = time.time()
         rows = await asyncio.to_thread(cp.registry.rows, engine_id)
         if not rows:
             raise EngineUnknown(
@@ -421,6 +422,11 @@ def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:
         )
         if found is None:
             return TargetReply(target_version=after, changed=False)
+        run = cp.fleet.snapshot.runs.get(run_id)
+        if run is not None and run.latest_version == found and run.latest_published_at:
+            # This process's part of the wake-up: from when it could first have answered.
+            waited_from = max(arrived, run.latest_published_at)
+            cp.metrics.target_wake.observe(max(0.0, time.time() - waited_from))
         return TargetReply(target_version=found, changed=True)
 
     @app.delete("/v1/engines/{engine_id}", status_code=204, tags=["engines"])

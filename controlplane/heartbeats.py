@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 import orjson
@@ -93,12 +94,21 @@ class GroupCommit:
 class Heartbeats:
     """Renews leases through the group commit and answers with the engine's target."""
 
-    def __init__(self, registry: Registry, runs: Runs, fleet: Fleet, outage: Outage) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        runs: Runs,
+        fleet: Fleet,
+        outage: Outage,
+        observe: Callable[[float], None] = lambda _seconds: None,
+    ) -> None:
+        """`observe` is told each answered beat's seconds in this process (a histogram)."""
         self.registry = registry
         self.runs = runs
         self.fleet = fleet
         self.outage = outage
         self.writer = GroupCommit(self._write)
+        self._observe = observe
         # Told of every fetch report a heartbeat carries (the convergence record).
         self.fetch_observers: list[Callable[[EngineView, FetchReport], None]] = []
 
@@ -117,6 +127,7 @@ class Heartbeats:
     async def answer(self, engine_id: str, beat: Heartbeat, owner: str | None = None) -> bytes:
         """The JSON reply (`HeartbeatReply`) to one heartbeat, after its commit. `owner`:
         the sender's token hash (None for an admin); only the engine's owner renews it."""
+        arrived = time.perf_counter()
         expires = await self.writer.submit((engine_id, beat, owner))
         if expires is None:
             # EngineNotOwned (403) or EngineUnknown (404): the failure path reads the row.
@@ -139,6 +150,7 @@ class Heartbeats:
         else:
             # Registered after the snapshot was built: it follows the latest version.
             target = await asyncio.to_thread(self._latest_for, engine_id)
+        self._observe(time.perf_counter() - arrived)
         return orjson.dumps({"target_version": target, "lease_expires_at": expires})
 
     def _latest_for(self, engine_id: str) -> int | None:

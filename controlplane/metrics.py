@@ -15,6 +15,8 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from controlplane.snapshot import FleetSnapshot
 from controlplane.version_lag import VersionLag
 
+LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+
 
 class Metrics:
     def __init__(self) -> None:
@@ -75,6 +77,21 @@ class Metrics:
             registry=self.registry,
         )
         self._converged: dict[str, int] = {}
+        # The control plane's own side of the engines' latencies, so a slow client (a
+        # starved agent) is never read as a slow control plane.
+        self.heartbeat = Histogram(
+            "tether_heartbeat_seconds",
+            "Seconds from a heartbeat reaching its handler until its reply (group commit included)",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.target_wake = Histogram(
+            "tether_target_wake_seconds",
+            "Seconds from a version's publication (or the long-poll's arrival, if later) "
+            "until a target long-poll answered it",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.sessions_created = Counter(
             "tether_sessions_created_total",
             "Agent sessions opened (POST /v1/sessions)",

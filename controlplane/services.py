@@ -72,7 +72,7 @@ class Services:
             runs=runs,
             fleet=fleet,
             metrics=metrics,
-            heartbeats=Heartbeats(registry, runs, fleet, outage),
+            heartbeats=Heartbeats(registry, runs, fleet, outage, metrics.heartbeat.observe),
             catalog=catalog,
             outage=outage,
             store_sync=store_sync,

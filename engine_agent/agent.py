@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import signal
 import socket
 import time
@@ -325,7 +326,11 @@ class Agent:
         )
         while True:
             await retrying(self._beat_once)
-            await self._until_beat(self.heartbeat_interval_s)
+            # A little sooner than asked, by a random amount: engines that registered or
+            # changed state together (a control plane back after an outage, a version
+            # landing everywhere) drift apart instead of beating in lockstep; never later,
+            # so the lease math is untouched.
+            await self._until_beat(self.heartbeat_interval_s * random.uniform(0.8, 1.0))
 
     def _heartbeat_backoff(self, state: RetryCallState) -> float:
         """Exponential from 0.5 s up to 10 s, and within a third of the lease, so a control

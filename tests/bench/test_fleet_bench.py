@@ -1,20 +1,25 @@
 """`tether bench fleet` at a tiny scale: real agents, real PostgreSQL, real S3, capped links.
 
 The figures are the benchmark's business; these tests check that the swarm runs the whole
-agent path (every engine commits every version, over heartbeats and long-polls, with peer
-fetch on and one agent serving its peers damaged files), that the caps hold (no engine gets
-a version faster than its link carries it), that every engine staged the same weights, and
-that the scaling models recover the curves they are fitted to.
+agent path in several worker processes (every engine commits every version, over
+heartbeats and long-polls, with peer fetch on and one agent serving its peers damaged
+files), that the control plane's own latency histograms are read, that the caps hold (no
+engine gets a version faster than its link carries it; the store's link is one queue across
+processes), that every engine staged the same weights, and that the scaling models recover
+the curves they are fitted to.
 """
 
 from __future__ import annotations
 
 import math
+import multiprocessing
 
 import pytest
 
-from bench.capped_link import Link
-from bench.fleet import MB, FleetConfig, fit, fraction_time, measure
+from bench.capped_link import Egress, Link, SharedLink
+from bench.cp_latency import quantile, window
+from bench.fleet import FleetConfig, fit, fraction_time, measure, models
+from bench.swarm import MB
 from launcher.postgres import find_pg_bin
 from launcher.seaweed import find_weed
 
@@ -29,11 +34,12 @@ ENGINES = 4
 def test_every_engine_of_the_swarm_commits_the_store_s_bytes_despite_a_lying_peer() -> None:
     config = FleetConfig(
         engines=ENGINES, versions=2, model_kb=128, agent_link_mbps=0.5, store_egress_mbps=5.0,
-        heartbeat_s=0.5, lease_s=10.0, threads=8, peers=True, bad_peers=1,
+        heartbeat_s=0.5, lease_s=10.0, threads=8, procs=2, peers=True, bad_peers=1,
     )  # fmt: skip
     result = measure(config, say=lambda _line: None)
 
     assert result["engines"] == ENGINES
+    assert result["swarm_procs"] == 2
     rows = result["per_version"]
     assert [r["version"] for r in rows] == [2, 3]
     for row in rows:
@@ -45,10 +51,37 @@ def test_every_engine_of_the_swarm_commits_the_store_s_bytes_despite_a_lying_pee
         assert row["woken"] >= 1
     assert result["heartbeats"] > 0
     assert result["heartbeat_p99_ms"] is not None
+    # The control plane's own side of the same latencies, from its histograms.
+    assert result["cp_heartbeats"] > 0
+    assert result["cp_heartbeat_p99_ms"] is not None
+    assert result["cp_wakes"] >= 1
+    assert result["swarm_loop_lag_p99_ms"] is not None
     assert result["single_catchup_s"] > 0
     # One agent damages every file it keeps for its peers: no engine may use those bytes.
     assert result["commits_differing"] == 0
     assert result["bad_peer_bytes_used"] == 0
+
+
+def _reserve_in_child(link: SharedLink, size: int, now: float) -> None:
+    link.reserve(size, now)
+
+
+def test_a_shared_link_queues_the_transfers_of_other_processes_too() -> None:
+    context = multiprocessing.get_context("spawn")
+    link = SharedLink(1000.0, context)
+    child = context.Process(target=_reserve_in_child, args=(link, 500, 10.0))
+    child.start()
+    child.join(60.0)
+    assert child.exitcode == 0
+    # Queued behind the child's 500 bytes (10.0 → 10.5), then its own 0.5 s.
+    assert link.reserve(500, now=10.0) == pytest.approx(11.0)
+
+
+def test_an_egress_counter_adds_up_the_bytes_and_reads() -> None:
+    egress = Egress()
+    egress.add(100)
+    egress.add(23)
+    assert (egress.bytes, egress.reads) == (123, 2)
 
 
 def test_a_link_queues_transfers_behind_each_other_at_its_rate() -> None:
@@ -66,6 +99,44 @@ def test_the_fits_recover_a_linear_and_a_logarithmic_fleet() -> None:
     assert linear.predict(10_000) == pytest.approx(102.0)
     tree = fit([(n, 1.0 + 0.5 * math.log2(n)) for n in (100, 300, 1000)], "log")
     assert tree.predict(10_000) == pytest.approx(1.0 + 0.5 * math.log2(10_000))
+
+
+def test_the_anchored_tree_fits_only_the_cost_per_level_and_shows_each_point_s_error() -> None:
+    points = [(n, 2.0 + 0.25 * math.log2(n)) for n in (100, 300, 1000)]
+    tree = fit(points, "tree", anchor=2.0)
+    assert tree.a == 2.0
+    assert tree.b == pytest.approx(0.25)
+    shown = tree.as_dict()["on_measured"]
+    assert [p["engines"] for p in shown] == [100, 300, 1000]
+    assert all(p["error"] == pytest.approx(0.0, abs=1e-9) for p in shown)
+    # Anchored too low, the fit cannot pass through the points: the errors say so.
+    assert fit(points, "tree", anchor=0.0).max_rel_error > 0.01
+
+
+def test_models_fit_every_form_and_predict_ten_thousand_engines_with_the_best() -> None:
+    scales = [{"engines": n, "converged_p99_s": 1.0 + 0.5 * math.log2(n), "single_catchup_s": 1.0}
+              for n in (100, 300, 1000)]  # fmt: skip
+    fitted = models(scales)
+    assert set(fitted["converged_p99"]) == {"linear", "log", "tree"}
+    assert fitted["converged_p99_predicted_10000_s"] == pytest.approx(
+        1.0 + 0.5 * math.log2(10_000), rel=1e-3
+    )
+
+
+def test_a_histogram_quantile_interpolates_within_its_bucket() -> None:
+    buckets = [(0.01, 50.0), (0.02, 90.0), (0.05, 100.0), (math.inf, 100.0)]
+    assert quantile(buckets, 0.5) == pytest.approx(0.01)
+    assert quantile(buckets, 0.7) == pytest.approx(0.015)
+    assert quantile(buckets, 0.99) == pytest.approx(0.047)
+    assert quantile([(0.01, 0.0), (math.inf, 0.0)], 0.5) is None
+    # Past the largest bound, the largest bound is all a histogram can say.
+    assert quantile([(0.01, 1.0), (math.inf, 3.0)], 0.9) == 0.01
+
+
+def test_a_window_is_what_was_observed_between_two_scrapes() -> None:
+    before = {"h": [(0.01, 5.0), (math.inf, 7.0)]}
+    after = {"h": [(0.01, 8.0), (math.inf, 12.0)]}
+    assert window(before, after) == {"h": [(0.01, 3.0), (math.inf, 5.0)]}
 
 
 def test_the_time_to_a_fraction_counts_the_engines_that_never_got_there() -> None:
