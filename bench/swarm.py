@@ -101,10 +101,11 @@ class SwarmPool:
         self.digests: dict[int, dict[int, str]] = {}
         self.woken: dict[int, list[float]] = {}
         self.summaries: dict[int, dict[str, Any]] = {}
+        pipes = [Pipes(self.store_link, self.egress, c, self._events) for c in self._commands]
         self.processes: list[BaseProcess] = [
             context.Process(
                 target=serve_share,
-                args=(k, spec, self.store_link, self.egress, self._commands[k], self._events),
+                args=(k, spec, pipes[k]),
                 name=f"swarm-{k}",
                 daemon=True,
             )
@@ -240,14 +241,18 @@ class SwarmPool:
 # ---- a worker's side ---------------------------------------------------------------------
 
 
-def serve_share(
-    worker: int,
-    spec: SwarmSpec,
-    store_link: SharedLink,
-    egress: Egress,
-    commands: Queue[tuple[Any, ...]],
-    events: Queue[tuple[Any, ...]],
-) -> None:
+@dataclass(frozen=True)
+class Pipes:
+    """What a worker shares with the bench: the store's link and egress counter, its own
+    command queue and the event queue of all workers (handed over at the worker's start)."""
+
+    store_link: SharedLink
+    egress: Egress
+    commands: Queue[tuple[Any, ...]]
+    events: Queue[tuple[Any, ...]]
+
+
+def serve_share(worker: int, spec: SwarmSpec, pipes: Pipes) -> None:
     """A worker process's body: run agents as the bench asks until it says stop."""
     logging.basicConfig(
         level=logging.WARNING, format=f"swarm-{worker} %(levelname)s %(name)s: %(message)s"
@@ -258,9 +263,9 @@ def serve_share(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-            runner.run(_serve(worker, spec, store_link, egress, commands, events))
+            runner.run(_serve(worker, spec, pipes))
     except BaseException as exc:
-        events.put(("error", worker, f"{type(exc).__name__}: {exc}"[:500]))
+        pipes.events.put(("error", worker, f"{type(exc).__name__}: {exc}"[:500]))
         raise
 
 
@@ -272,20 +277,14 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     return uvloop.new_event_loop
 
 
-async def _serve(
-    worker: int,
-    spec: SwarmSpec,
-    store_link: SharedLink,
-    egress: Egress,
-    commands: Queue[tuple[Any, ...]],
-    events: Queue[tuple[Any, ...]],
-) -> None:
+async def _serve(worker: int, spec: SwarmSpec, pipes: Pipes) -> None:
+    commands, events = pipes.commands, pipes.events
     loop = asyncio.get_running_loop()
     # Fetches run on worker threads and a capped link holds its thread: enough threads
     # that the caps, not the pool, bound how many agents fetch at once. One pool for all
     # the agents of this process (their `asyncio.to_thread`), never one per agent.
     loop.set_default_executor(ThreadPoolExecutor(max_workers=spec.threads))
-    share = Share(spec, store_link, egress, events.put)
+    share = Share(spec, pipes.store_link, pipes.egress, events.put)
     stopping = asyncio.Event()
 
     def terminate() -> None:  # SIGTERM (the bench closing its workers): stop as asked to

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -89,6 +90,21 @@ class Api:
     def heartbeat(self, engine_id: str, version: int | None, **extra: Any) -> Any:
         body = {"applied_version": version, "sync_state": extra.pop("sync_state", "ready"), **extra}
         return self.call("POST", f"/v1/engines/{engine_id}/heartbeat", "engine", json=body)
+
+    def target_while_publishing(self, run_id: str, engine_id: str, after: int) -> Any:
+        """The reply of the engine's target long-poll (`after` its known target), while
+        version `after + 1` is published."""
+        result: dict[str, Any] = {}
+
+        def waiter() -> None:
+            path = f"/v1/engines/{engine_id}/target?after={after}&timeout=20"
+            result.update(self.call("GET", path, "engine").json())
+
+        thread = threading.Thread(target=waiter)
+        thread.start()
+        self.publish(run_id, after + 1)
+        thread.join(20)
+        return result
 
     def settle(self) -> None:
         """Wait until the app's fleet snapshot reflects every write made so far."""

@@ -145,16 +145,7 @@ def test_engine_target_long_poll_wakes_when_a_version_is_published(any_db_api: A
     api.create_run("run-t")
     api.publish("run-t", 1)
     engine_id = api.register("run-t", 1)
-    result: dict[str, object] = {}
-
-    def waiter() -> None:
-        reply = api.call("GET", f"/v1/engines/{engine_id}/target?after=1&timeout=20", "engine")
-        result.update(reply.json())
-
-    thread = threading.Thread(target=waiter)
-    thread.start()
-    api.publish("run-t", 2)
-    thread.join(20)
+    result = api.target_while_publishing("run-t", engine_id, after=1)
     assert result == {"target_version": 2, "changed": True}
 
 
