@@ -12,12 +12,14 @@ verified (tensors no delta touches are returned as the base's own objects). A pa
 carries the positions its payloads changed (`RawTensor.changed`, relative to the base
 tensor it was folded from), as the codecs report them while applying. Tensors are
 applied in parallel on the codec tensor pool (`store.codecs.workers`). The changed tensors
-it returns are views of one allocation, freed when the last of them is dropped.
+it returns are views of one allocation; when the last of them is dropped it is kept for the
+next fold (one at most), not freed.
 """
 
 from __future__ import annotations
 
 import itertools
+import threading
 import weakref
 from collections.abc import Mapping, Sequence
 
@@ -57,18 +59,54 @@ def _check_lineage(manifests: Sequence[Manifest]) -> None:
 _ALIGN = 64  # each tensor's buffer starts on a cache line (and any element's alignment)
 
 
+class _SpareArena:
+    """The memory of the last arena nobody holds any more, kept for the next fold.
+
+    A fresh arena is faulted in page by page, and on a machine whose memory is fragmented
+    each huge page can first wait for the kernel to compact memory: 30–60 ms of system
+    time on a 64 MB arena, more than the fold itself. An agent folds one version after
+    another of the same tensors, so the arena of version n - 1, released when its tensors
+    are dropped, is exactly what version n + 1 needs. At most one is kept (the most
+    recently released), and only reused for a fold that needs at least half of it.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._memory: np.ndarray | None = None
+
+    def take(self, size: int) -> np.ndarray:
+        """An arena of `size` bytes whose memory returns here once every view of it is gone."""
+        with self._lock:
+            memory, self._memory = self._memory, None
+        if memory is None or not size <= memory.size <= 2 * size:
+            memory = np.empty(max(size, 1), dtype=np.uint8)
+        # Views of `arena` keep it (not `memory`) as their base, so the finalizer runs when
+        # the last folded tensor, or anything viewing it, is dropped.
+        arena = np.frombuffer(memory.data[:size], dtype=np.uint8)
+        weakref.finalize(arena, self._give_back, memory)
+        return arena
+
+    def _give_back(self, memory: np.ndarray) -> None:
+        with self._lock:
+            self._memory = memory
+
+
+_spare = _SpareArena()
+
+
 def _fresh_buffers(tensors: Mapping[str, RawTensor], names: list[str]) -> dict[str, np.ndarray]:
     """An uninitialised buffer per named tensor, all views of one allocation.
 
     One large allocation is backed by huge pages and faulted in once, where a fresh array
     per tensor (most under numpy's 4 MiB huge-page threshold) costs a page fault per 4 KiB:
-    copying the base into it ran at ~2.7 GB/s per core, into the shared one at ~10.
+    copying the base into it ran at ~2.7 GB/s per core, into the shared one at ~10. The
+    allocation is the previous fold's when that one has been dropped (`_SpareArena`).
     """
     offsets, total = {}, 0
     for name in names:
         offsets[name] = total
         total += -(-tensors[name].data.nbytes // _ALIGN) * _ALIGN
-    arena = np.empty(total, dtype=np.uint8)
+    arena = _spare.take(total)
     return {
         name: arena[offsets[name] : offsets[name] + tensors[name].data.nbytes] for name in names
     }

@@ -48,8 +48,8 @@ def _gather_changes_py(
 ) -> None:
     """Fill `gaps` (unchanged elements before each change), `news` and `olds` in one pass.
 
-    `changed` is the block's change mask as little-endian bits, 64 elements per word (numpy
-    builds it with SIMD); visiting its set bits avoids a branch per element, which
+    `changed` is the block's change mask as little-endian bits, 64 elements per word
+    (`change_mask` builds it); visiting its set bits avoids a branch per element, which
     mispredicts at every change.
     """
     j = 0
@@ -65,6 +65,47 @@ def _gather_changes_py(
             olds[j] = old[i]
             last = i
             j += 1
+
+
+_SCAN_CHUNK = 4096  # elements compared per step: their flags stay in L1 while gathered
+_PACK_FLAGS = np.uint64(0x0102040810204080)  # byte t (0 or 1) of a word -> bit 56 + t
+
+
+def _change_mask_py(new: np.ndarray, old: np.ndarray, words: np.ndarray) -> int:
+    """Fill `words` with the block's change mask for `gather_changes` (bit t of word w set
+    iff element 64w + t changed); return how many changed.
+
+    Per chunk of 4096 elements: compare into byte flags and count them (a loop over
+    slices, which the compiler turns into SIMD), then pack each 8 flags into a byte with
+    one multiply (no two partial products meet, so nothing carries). numpy's
+    not_equal + count_nonzero + packbits + a zero-padded copy were four passes and three
+    fresh block-sized allocations.
+    """
+    flags = np.zeros(_SCAN_CHUNK, np.uint8)
+    as_words = flags.view(np.uint64)
+    total = 0
+    for start in range(0, new.size, _SCAN_CHUNK):
+        a = new[start : start + _SCAN_CHUNK]
+        b = old[start : start + _SCAN_CHUNK]
+        m = a.size
+        count = 0
+        for i in range(m):
+            f = a[i] != b[i]
+            flags[i] = f
+            count += f
+        total += count
+        padded = -(-m // 64) * 64
+        for i in range(m, padded):
+            flags[i] = 0
+        first = start // 64
+        for w in range(padded // 64):
+            bits = np.uint64(0)
+            if count:
+                for t in range(8):
+                    packed = (as_words[8 * w + t] * _PACK_FLAGS) >> np.uint64(56)
+                    bits |= packed << np.uint64(8 * t)
+            words[first + w] = bits
+    return total
 
 
 def _rice_pack_py(values: np.ndarray, r: int) -> tuple[np.ndarray, np.ndarray, np.int64]:
@@ -109,33 +150,49 @@ def _rice_unpack_py(
     k = out.size
     j = 0
     q = 0
-    whole = unary_bits >> 3
-    for index in range(whole + (1 if unary_bits & 7 else 0)):
-        b = np.uint32(unary[index])
-        valid = 8
-        if index == whole:  # the last, partial byte: its padding bits are not codes
-            valid = unary_bits & 7
-            b &= np.uint32((0xFF << (8 - valid)) & 0xFF)
-        used = 0  # bits of this byte already consumed; cleared from b
-        while b:
-            one = leading_zeros(np.uint8(b))  # the next one bit, from the byte's start
+    size = (unary_bits + 7) >> 3
+    # 64 bits at a time (most significant first): the loop over a word's one bits ends,
+    # with its mispredicted branch, once per word rather than once per byte.
+    for first in range(0, size, 8):
+        w = np.uint64(0)
+        for t in range(min(8, size - first)):
+            w |= np.uint64(unary[first + t]) << np.uint64(56 - 8 * t)
+        valid = min(64, unary_bits - 8 * first)
+        if valid < 64:  # the stream's last bits: padding is not codes
+            w &= ~(np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(valid))
+        used = 0  # bits of this word consumed so far (cleared from w)
+        while w:
+            one = leading_zeros(w)  # the next one bit, counted from the word's start
             if j == k:
                 return ERR_UNARY
             out[j] = np.uint64(q + one - used) << np.uint64(r)
             j += 1
             q = 0
             used = one + 1
-            b &= np.uint32(0xFF >> used)
+            w ^= np.uint64(1) << np.uint64(63 - one)
         q += valid - used
     if j != k or q != 0:
         return ERR_UNARY
     plane = (k + 7) // 8
-    for jj in range(r):
-        base = jj * plane
-        shift = np.uint64(jj)
-        for i in range(k):
-            bit = (low[base + (i >> 3)] >> (7 - (i & 7))) & 1
-            out[i] |= np.uint64(bit) << shift
+    # Up to 8 planes at a time: each plane byte is spread to one 0/1 byte per value (mask
+    # byte t with 0x80 >> t, then carry its bit to the lane's top and down to bit 0), the
+    # planes stacked in the lanes, and each value ORs its lane once: one pass over `out`
+    # per 8 planes instead of one per plane.
+    replicate = np.uint64(0x0101010101010101)
+    select = np.uint64(0x0102040810204080)
+    low_bits = np.uint64(0x7F7F7F7F7F7F7F7F)
+    for first in range(0, r, 8):
+        last = min(first + 8, r)
+        for group in range(plane):
+            lanes = np.uint64(0)
+            for jj in range(first, last):
+                spread = (np.uint64(low[jj * plane + group]) * replicate) & select
+                spread = ((spread + low_bits) >> np.uint64(7)) & replicate
+                lanes |= spread << np.uint64(jj - first)
+            start = group * 8
+            for t in range(min(8, k - start)):
+                lane = (lanes >> np.uint64(8 * t)) & np.uint64(0xFF)
+                out[start + t] |= lane << np.uint64(first)
     return OK
 
 
@@ -147,7 +204,9 @@ def _apply_steps_py(
     magnitudes: np.ndarray,
     width_bits: int,
 ) -> int:
-    """Move each changed element by its step in float order (`float_order` of `sparse`).
+    """Move each changed element by its step in float order (`float_order` of `sparse`),
+    and overwrite `gaps` with the changes' positions in the block (as int64 bit patterns:
+    the caller views the array as int64, no second pass).
 
     Change i sits `gaps[i]` unchanged elements after change i-1; it moves down if bit i of
     the packed `down` is set, by 1, plus `magnitudes[a] + 1` where it is the a-th change
@@ -171,6 +230,7 @@ def _apply_steps_py(
         pos += np.int64(g) + 1
         if pos >= n:
             return ERR_POSITION
+        gaps[i] = np.uint64(pos)
         step = np.uint64(1)
         if i == next_at:
             step += np.uint64(magnitudes[a]) + np.uint64(1)
@@ -230,12 +290,20 @@ def _rice_parameter_py(values: np.ndarray, total: int | np.int64, limit: int) ->
         return 0
     stride = max(1, k // RICE_SAMPLE)
     costs = np.zeros(hi - lo + 1, np.uint64)
-    count = 0
-    for i in range(0, k, stride):
-        v = np.uint64(values[i])
-        count += 1
-        for r in range(lo, hi + 1):
-            costs[r - lo] += v >> np.uint64(r)
+    count = (k + stride - 1) // stride
+    # One pass per candidate (at most six): a plain shift-and-sum the compiler vectorises,
+    # where updating six costs per value in memory ran at about a value per nanosecond.
+    sample = values
+    if stride > 1:  # copied once, so that every candidate's pass is contiguous
+        sample = np.empty(count, values.dtype)
+        for i in range(count):
+            sample[i] = values[i * stride]
+    for r in range(lo, hi + 1):
+        shift = np.uint64(r)
+        cost = np.uint64(0)
+        for i in range(count):
+            cost += np.uint64(sample[i]) >> shift
+        costs[r - lo] = cost
     best = lo
     best_cost = np.uint64(count) * np.uint64(lo + 1) + costs[0]
     for r in range(lo + 1, hi + 1):
@@ -313,6 +381,7 @@ def _mode_bits_py(new: np.ndarray, old: np.ndarray, width_bits: int, out: np.nda
 
 
 gather_changes = _jit(_gather_changes_py)
+change_mask = _jit(_change_mask_py)
 rice_parameter = _jit(_rice_parameter_py)
 rice_bits = _jit(_rice_bits_py)
 plane_bits = _jit(_plane_bits_py)

@@ -34,6 +34,7 @@ from store.codecs.sparse_kernels import (
     ERR_MAGNITUDE,
     OK,
     apply_steps,
+    change_mask,
     gather_changes,
     mode_bits,
     nonzero_runs,
@@ -67,14 +68,11 @@ def _step_parts(new: np.ndarray, old: np.ndarray) -> tuple[np.ndarray, np.ndarra
 
 def _changes(new: np.ndarray, old: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(gaps before each changed element, their new bits, their old bits) of one block."""
-    mask = np.not_equal(new, old)
-    k = int(np.count_nonzero(mask))
+    words = np.empty(-(-new.size // 64), dtype=np.uint64)
+    k = change_mask(new, old, words)
     gaps = np.empty(k, dtype=_GAP)
     news, olds = np.empty(k, dtype=new.dtype), np.empty(k, dtype=old.dtype)
     if k:
-        words = np.zeros(-(-mask.size // 64), dtype="<u8")
-        packed = np.packbits(mask, bitorder="little")
-        words.view(np.uint8)[: packed.size] = packed
         gather_changes(new, old, words, gaps, news, olds)
     return gaps, news, olds
 
@@ -104,16 +102,15 @@ class SparseV2Codec:
 
     # -- encoding -------------------------------------------------------------------------
 
-    def _squeeze(self, raw: np.ndarray) -> tuple[int, bytes]:
+    def _squeeze(self, raw: np.ndarray) -> tuple[int, bytes | memoryview]:
         """(kind, bytes) of one stream: all zero, a zstd frame, or raw, whichever is smallest."""
         if not raw.any():
             return STREAM_ZERO, b""
-        data = raw.tobytes()
         if raw.size >= 32:
-            frame = self._zstd.compressor.compress(data)
-            if len(frame) < len(data):
+            frame = self._zstd.compressor.compress(raw.data)
+            if len(frame) < raw.size:
                 return STREAM_ZSTD, frame
-        return STREAM_RAW, data
+        return STREAM_RAW, raw.data  # joined into the block without a copy of its own
 
     def _step_streams(
         self, new_values: np.ndarray, old_values: np.ndarray, head: bytearray
@@ -285,8 +282,8 @@ class SparseV2Codec:
                 raise CorruptPayload(f"{what} places a magnitude past its last change")
             if error != OK:
                 raise CorruptPayload(f"{what} places a change past the end of its block")
-            # The kernel walked the positions without storing them; the caller wants them.
-            step_positions: np.ndarray = np.cumsum(gaps.view(np.int64) + 1) - 1
+            # The kernel overwrote the gaps with the positions it walked.
+            step_positions: np.ndarray = gaps.view(np.int64)
             return step_positions
         if int(gaps.max()) >= bits.size:
             raise CorruptPayload(f"{what} places a change past the end of its block")
@@ -350,4 +347,6 @@ class SparseV2Codec:
         applied = sum(p.size for p in per_block)
         if applied != changed:
             raise CorruptPayload(f"{what} declares {changed} changes but its blocks hold {applied}")
+        if len(per_block) == 1:  # most tensors: no copy of their positions
+            return per_block[0]
         return np.concatenate(per_block) if per_block else np.empty(0, dtype=np.int64)

@@ -10,10 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from store.codecs import encode_version, fold, workers
-from store.codecs.bitstreams import rice_decode, rice_encode
+from store.codecs.bitstreams import rice_decode, rice_encode, rice_parameter
 from store.codecs.delta import encode_delta
 from store.codecs.fold import read_manifest
 from store.codecs.sparse import SparseCodec
+from store.codecs.sparse_kernels import RICE_SAMPLE, change_mask
 from store.codecs.sparse_v2 import SparseV2Codec
 from store.errors import ChecksumMismatch, CorruptPayload
 from store.tensors import RawTensor
@@ -361,3 +362,42 @@ def test_changes_are_found_across_word_and_block_edges(dtype):
     base = RawTensor(dtype_name, (size,), old.view(np.uint8))
     assert np.array_equal(round_trip(SMALL_BLOCKS, target, base), target.data)
     assert np.array_equal(round_trip(SparseV2Codec(), target, base), target.data)
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint64])
+def test_the_change_mask_matches_numpy_across_scan_chunks(dtype):
+    """The compiled scan compares 4096 elements at a time: changes on both sides of chunk
+    edges, a short last chunk, and chunks without any change all land in the right bits."""
+    size = 3 * 4096 + 100
+    rng = np.random.default_rng(9)
+    old = rng.integers(0, np.iinfo(dtype).max, size, dtype=dtype)
+    new = old.copy()
+    where = np.array([0, 4095, 4096, 4097, 8191, 3 * 4096, size - 1])  # 4096..8191: one more
+    new[where] += dtype(1)
+    new[4100:8190:37] ^= dtype(0x80)
+    words = np.empty(-(-size // 64), dtype=np.uint64)
+    assert change_mask(new, old, words) == int(np.count_nonzero(new != old))
+    expected = np.packbits(new != old, bitorder="little")
+    assert words.view(np.uint8)[: expected.size].tobytes() == expected.tobytes()
+    assert not words.view(np.uint8)[expected.size :].any()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    values=st.lists(st.integers(0, 2**20), min_size=1, max_size=400),
+    repeat=st.sampled_from([1, 700]),  # 700: more values than the sample, every k-th is read
+    limit=st.sampled_from([31, 62]),
+)
+def test_the_rice_parameter_is_the_cheapest_candidate_on_the_documented_sample(
+    values, repeat, limit
+):
+    """docs/format.md: the r in log2(mean) - 3 .. + 2 (at most `limit`) with the least
+    k(r+1) + sum(v >> r) over every (k // 2**16)-th value, the smallest on ties."""
+    array = np.tile(np.array(values, dtype=np.uint64), repeat)
+    total = int(array.sum())
+    sample = array[:: max(1, array.size // RICE_SAMPLE)]
+    centre = max(0, int(np.log2(max(total / array.size, 1.0))))
+    candidates = range(max(0, centre - 3), min(centre + 2, limit) + 1)
+    costs = {r: sample.size * (r + 1) + int((sample >> np.uint64(r)).sum()) for r in candidates}
+    expected = min(candidates, key=lambda r: (costs[r], r))
+    assert rice_parameter(array, total, limit) == expected

@@ -146,3 +146,27 @@ def test_folded_tensors_are_aligned_and_independent_of_each_other_and_of_the_bas
     folded["b"].data[:] = 0
     assert same_bits({k: folded[k] for k in "ac"}, {k: target[k] for k in "ac"})
     assert all(np.array_equal(base[name].data, before[name]) for name in base)
+
+
+def test_a_fold_reuses_the_memory_of_a_dropped_fold_but_never_of_one_still_held():
+    import gc
+
+    cps = small_chain(3)
+    chain = encode_chain(cps, ["sparse", "sparse"])
+    first = fold(cps[0], chain[:1])
+    address = first["a"].data.ctypes.data
+    held = first["a"].data[10:]  # a view of one tensor keeps the whole allocation
+    del first
+    gc.collect()
+    second = fold(cps[0], chain[:1])
+    assert second["a"].data.ctypes.data != address
+    assert same_bits(second, cps[1])
+    del held, second
+    gc.collect()
+    third = fold(cps[1], chain[1:])
+    assert same_bits(third, cps[2])
+    # Once dropped, its memory is what the next fold gets: no fresh pages to fault in.
+    third_address = third["a"].data.ctypes.data
+    del third
+    gc.collect()
+    assert fold(cps[1], chain[1:])["a"].data.ctypes.data == third_address
