@@ -35,14 +35,14 @@ from controlplane.errors import InternalError, error_response
 from controlplane.hotpath import HotLane, HotRoute
 
 if TYPE_CHECKING:
-    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    from controlplane.serving import CappedHttpTools
 
 log = logging.getLogger(__name__)
 
 CLIENT_GONE = 499
 
 
-def start(protocol: HttpToolsProtocol) -> bool:
+def start(protocol: CappedHttpTools) -> bool:
     """Take the request whose head the protocol has just parsed, if it is a hot one that
     this exchange may serve; False leaves it to uvicorn's ASGI cycle."""
     lane = getattr(protocol.app, "hot_lane", None)
@@ -80,7 +80,7 @@ class HotExchange:
 
     def __init__(
         self,
-        protocol: HttpToolsProtocol,
+        protocol: CappedHttpTools,
         lane: HotLane,
         route: HotRoute,
         path: str,
@@ -200,4 +200,4 @@ class HotExchange:
         self.message_event.set()
         if not self.keep_alive or self.disconnected:
             self.protocol.transport.close()
-        self.protocol.on_response_complete()
+        self.protocol.hot_response_complete()

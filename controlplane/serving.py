@@ -9,6 +9,7 @@ Never builds the application's state itself (that is `app.create_app`).
 
 from __future__ import annotations
 
+import asyncio
 from functools import lru_cache
 from typing import Any
 
@@ -47,6 +48,10 @@ class CappedHttpTools(HttpToolsProtocol):
         self._in_head = False
         self._head_bytes = 0
         self._refused = False
+        # The hot exchange's keep-alive expiry: one timer that re-arms itself while the
+        # connection keeps being used, instead of uvicorn's set-and-cancel per request.
+        self._idle_since: float | None = None
+        self._idle_timer: asyncio.TimerHandle | None = None
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
@@ -68,6 +73,44 @@ class CappedHttpTools(HttpToolsProtocol):
         self._head_bytes = 0
         if not hot_exchange.start(self):
             super().on_headers_complete()
+
+    def _unset_keepalive_if_required(self) -> None:
+        # Called by uvicorn whenever bytes arrive or an answer ends: the connection is busy.
+        self._idle_since = None
+        super()._unset_keepalive_if_required()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+        super().connection_lost(exc)
+
+    def hot_response_complete(self) -> None:
+        """The hot exchange's answer is out: what uvicorn does when a response completes
+        (count it, resume reading, start a request queued behind it), with the keep-alive
+        expiry kept by one self-renewing timer."""
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        self._unset_keepalive_if_required()
+        self.flow.resume_reading()
+        if self.pipeline:
+            cycle, app = self.pipeline.pop()
+            self._start_asgi_task(cycle, app)
+            return
+        self._idle_since = self.loop.time()
+        if self._idle_timer is None:
+            self._idle_timer = self.loop.call_later(self.timeout_keep_alive, self._idle_check)
+
+    def _idle_check(self) -> None:
+        self._idle_timer = None
+        if self._idle_since is None:
+            return  # busy: the next answer arms it again
+        left = self._idle_since + self.timeout_keep_alive - self.loop.time()
+        if left > 0:
+            self._idle_timer = self.loop.call_later(left, self._idle_check)
+        else:
+            self.timeout_keep_alive_handler()
 
     def shutdown(self) -> None:
         # The server calls this on every connection when its graceful shutdown begins:

@@ -163,7 +163,11 @@ class _Connection(asyncio.Protocol):
         self.body_parts: list[bytes] = []
         self.until_close = False
         self.last_read = 0.0
+        # The read-inactivity timer is armed once and lapses when it finds no request in
+        # flight (`busy`), rather than being set and cancelled for every request: a timer
+        # costs about as much as the rest of the pool's per-request bookkeeping.
         self.timer: asyncio.TimerHandle | None = None
+        self.busy = False
         self.drained: asyncio.Future[None] | None = None
         self.paused = False
 
@@ -241,7 +245,9 @@ class _Connection(asyncio.Protocol):
         self.body_parts = []
         self.received = False
         self.last_read = self.loop.time()
-        self.timer = self.loop.call_at(self.last_read + self.pool.read_timeout_s, self._check)
+        self.busy = True
+        if self.timer is None:
+            self.timer = self.loop.call_at(self.last_read + self.pool.read_timeout_s, self._check)
         try:
             if len(body) < 65536:
                 self.transport.write(head + body)
@@ -259,7 +265,7 @@ class _Connection(asyncio.Protocol):
         answer = self.answer
         if answer is None:
             return
-        self._stop_timer()
+        self.busy = False  # the armed timer lapses by itself (see `__init__`)
         # A connection is reused only when the engine says keep-alive and our request was
         # written in full (an early answer may leave the engine unread bytes).
         keep = (
@@ -289,6 +295,7 @@ class _Connection(asyncio.Protocol):
 
     def _fail(self, error: UpstreamError) -> None:
         self._stop_timer()
+        self.busy = False
         waiter = self.waiter
         if waiter is not None and not waiter.done():
             waiter.set_exception(error)
@@ -298,6 +305,9 @@ class _Connection(asyncio.Protocol):
 
     def _check(self) -> None:
         """The read-inactivity timer: fail the request if the engine went silent."""
+        if not self.busy:
+            self.timer = None  # no request in flight: the next one arms it again
+            return
         if self.paused:
             # Waiting on our own client is not the engine's silence.
             self.last_read = self.loop.time()
