@@ -18,6 +18,7 @@ import logging
 import re
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -178,6 +179,25 @@ def no_engine(
     return refusal(snap, run_id, constraint, precisions, time.time(), default_retry_s, reason)
 
 
+@dataclass(eq=False)
+class Forward:
+    """One generate request on its way to the engines: what it asks for, and the engines
+    tried so far (the proxy's coroutine and the server's own exchange both drive it)."""
+
+    path: str
+    raw: bytes
+    fields: RoutingFields
+    constraint: VersionConstraint
+    run_id: str
+    session_id: str | None
+    extra: tuple[tuple[str, str], ...]
+    # False: the run is not in the snapshot yet; `check_run` tells unknown from new.
+    known_run: bool
+    attempts_left: int
+    tried: set[str] = field(default_factory=set)
+    saw_not_ready: bool = False
+
+
 class Proxy:
     def __init__(
         self,
@@ -222,71 +242,127 @@ class Proxy:
             self.metrics.version_lag.note_pick(snap, run_id, engine)
         return engine
 
-    async def handle(self, kind: str, raw: bytes, headers: Mapping[str, str]) -> Response:
+    def begin(self, kind: str, raw: bytes, headers: Mapping[str, str]) -> Forward:
+        """Read and check what a generate request asks for, without touching the database
+        or the fleet's counters; `admit` follows once its run is known to exist."""
         fields, constraint = parse_routing(raw)
         session_id = session_of(headers, fields)
         snap = self.fleet.snapshot
         run_id = resolve_run(snap, fields.run_id or headers.get(RUN_KEY), "body.run_id")
-        await check_run(self.fleet, snap, run_id)
+        extra = ((SESSION_HEADER, session_id),) if session_id else ()
+        return Forward(
+            ENGINE_PATHS[kind], raw, fields, constraint, run_id, session_id, extra,
+            known_run=run_id in snap.runs, attempts_left=self.attempts,
+        )  # fmt: skip
+
+    def admit(self, forward: Forward) -> None:
+        """Refuse a version too far ahead; note an exact-version demand. Past this the
+        request counts as routed (metrics, demand)."""
+        constraint = forward.constraint
         if not constraint.is_any:
             ahead = too_far_ahead(
-                snap, run_id, constraint, self.max_versions_ahead, "body.weight_version"
+                self.fleet.snapshot,
+                forward.run_id,
+                constraint,
+                self.max_versions_ahead,
+                "body.weight_version",
             )
             if ahead is not None:
                 raise ahead
         if constraint.exact_version is not None:
-            self.fleet.note_exact(run_id, constraint.exact_version)
-        extra = ((SESSION_HEADER, session_id),) if session_id else ()
-        path = ENGINE_PATHS[kind]
-        in_flight = self.fleet.in_flight
-        tried: set[str] = set()
-        saw_not_ready = False
-        for _ in range(self.attempts):
-            engine = self.choose(run_id, constraint, fields, session_id, tried)
+            self.fleet.note_exact(forward.run_id, constraint.exact_version)
+
+    async def handle(self, kind: str, raw: bytes, headers: Mapping[str, str]) -> Response:
+        forward = self.begin(kind, raw, headers)
+        if not forward.known_run:
+            await check_run(self.fleet, self.fleet.snapshot, forward.run_id)
+        self.admit(forward)
+        return await self.forward(forward)
+
+    async def forward(self, forward: Forward, engine: EngineView | None = None) -> Response:
+        """Send an admitted request to engines until one answers (starting with `engine`,
+        already taken by `next_engine`, if given); raises the refusal when none does."""
+        while True:
             if engine is None:
-                break
-            engine_id = engine.engine_id
-            tried.add(engine_id)
-            in_flight[engine_id] += 1
-            handed_over = False
+                engine = self.next_engine(forward)
+                if engine is None:
+                    raise self.give_up(forward)
             try:
-                answer = await self.client.post(engine.url, path, raw, extra, fields.stream)
-                if answer.status not in RETRY_STATUSES:
-                    if fields.stream:
-                        handed_over = True
-                        release = partial(_release, in_flight, engine_id)
-                        return EngineStream(engine, answer, release, self.max_stream_bytes)
-                    return _stamp(engine, answer)
-                if fields.stream:
-                    answer.close()
-            except UpstreamError as exc:
-                log.warning("engine %s at %s failed: %s", engine_id, engine.url, exc)
-                self.metrics.engine_retries.labels("transport").inc()
-                continue
+                answer = await self.client.post(
+                    engine.url, forward.path, forward.raw, forward.extra, forward.fields.stream
+                )
+                response = self.settle(forward, engine, answer)
             except Exception as exc:
-                # Whatever broke (a URL the client cannot use, a bug in parsing the
-                # answer) broke on this engine: try the next one, never answer 500.
-                log.warning("forwarding to engine %s at %s failed: %r", engine_id, engine.url, exc)
-                self.metrics.engine_retries.labels("transport").inc()
-                continue
-            finally:
-                if not handed_over:
-                    _release(in_flight, engine_id)
-            saw_not_ready = saw_not_ready or answer.status == 409
-            self.metrics.engine_retries.labels(str(answer.status)).inc()
-        if tried and not saw_not_ready:
+                self.failed(forward, engine, exc)
+            except BaseException:
+                _release(self.fleet.in_flight, engine.engine_id)
+                raise
+            else:
+                if response is not None:
+                    return response
+            engine = None
+
+    def next_engine(self, forward: Forward) -> EngineView | None:
+        """The next engine to try (counted in flight until `settle` or `failed`), or None
+        when the attempts are spent or no untried engine is eligible."""
+        if forward.attempts_left <= 0:
+            return None
+        forward.attempts_left -= 1
+        engine = self.choose(
+            forward.run_id, forward.constraint, forward.fields, forward.session_id, forward.tried
+        )
+        if engine is not None:
+            forward.tried.add(engine.engine_id)
+            self.fleet.in_flight[engine.engine_id] += 1
+        return engine
+
+    def settle(self, forward: Forward, engine: EngineView, answer: Answer) -> Response | None:
+        """The client's response from an engine's answer, or None to try the next engine
+        (a 409 or 503). A streamed response holds the engine until the stream ends."""
+        in_flight, engine_id = self.fleet.in_flight, engine.engine_id
+        if answer.status not in RETRY_STATUSES:
+            if forward.fields.stream:
+                release = partial(_release, in_flight, engine_id)
+                return EngineStream(engine, answer, release, self.max_stream_bytes)
+            response = _stamp(engine, answer)
+            _release(in_flight, engine_id)
+            return response
+        if forward.fields.stream:
+            answer.close()
+        _release(in_flight, engine_id)
+        forward.saw_not_ready = forward.saw_not_ready or answer.status == 409
+        self.metrics.engine_retries.labels(str(answer.status)).inc()
+        return None
+
+    def failed(self, forward: Forward, engine: EngineView, exc: Exception) -> None:
+        """Forwarding to `engine` broke (a bad URL, a refused connection, a broken answer,
+        a bug in reading it): that engine's failure, never the client's 500."""
+        _release(self.fleet.in_flight, engine.engine_id)
+        if isinstance(exc, UpstreamError):
+            log.warning("engine %s at %s failed: %s", engine.engine_id, engine.url, exc)
+        else:
+            log.warning(
+                "forwarding to engine %s at %s failed: %r", engine.engine_id, engine.url, exc
+            )
+        self.metrics.engine_retries.labels("transport").inc()
+
+    def give_up(self, forward: Forward) -> ApiError:
+        """The refusal once no engine answered: 503 if every tried engine failed to
+        answer, else the typed 409 (`refusals.py`)."""
+        tried, run_id = forward.tried, forward.run_id
+        if tried and not forward.saw_not_ready:
             self.metrics.not_ready.labels("engines_unavailable").inc()
-            raise NoEngineAvailable(
+            return NoEngineAvailable(
                 f"{len(tried)} eligible engine(s) of run {run_id!r} failed to answer; retry",
                 tried=sorted(tried),
             )
         reason = "engines_refused" if tried else "none_eligible"
         self.metrics.not_ready.labels(reason).inc()
-        raise no_engine(
+        return no_engine(
             self.fleet.snapshot,
             run_id,
-            constraint,
-            fields.precisions(),
+            forward.constraint,
+            forward.fields.precisions(),
             self.default_retry_s,
             reason,
         )

@@ -83,7 +83,22 @@ class CappedHttpTools(HttpToolsProtocol):
         if self._idle_timer is not None:
             self._idle_timer.cancel()
             self._idle_timer = None
+        cycle = self.cycle
         super().connection_lost(exc)
+        if isinstance(cycle, hot_exchange.HotExchange):
+            cycle.gone_before_body()
+
+    def on_body(self, body: bytes) -> None:
+        super().on_body(body)
+        cycle = self.cycle
+        if isinstance(cycle, hot_exchange.HotExchange) and self.flow.read_paused:
+            cycle.body_past_buffer()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        cycle = self.cycle
+        if isinstance(cycle, hot_exchange.HotExchange):
+            cycle.body_complete()
 
     def hot_response_complete(self) -> None:
         """The hot exchange's answer is out: what uvicorn does when a response completes

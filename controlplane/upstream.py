@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import cast
 from urllib.parse import urlsplit
@@ -157,6 +157,8 @@ class _Connection(asyncio.Protocol):
         # Per request.
         self.stream = False
         self.waiter: asyncio.Future[Answer] | None = None
+        # Instead of `waiter`: told the outcome as soon as it is known (`start`).
+        self.on_done: Callable[[Answer | UpstreamError], None] | None = None
         self.answer: Answer | None = None
         self.header_pairs: list[tuple[bytes, bytes]] = []
         self.received = False
@@ -178,7 +180,7 @@ class _Connection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
-        if self.waiter is None and self.answer is None:
+        if self.waiter is None and self.on_done is None and self.answer is None:
             # Nothing was asked: an engine talking out of turn is not to be trusted.
             self.close()
             return
@@ -237,9 +239,23 @@ class _Connection(asyncio.Protocol):
     # Requests ---------------------------------------------------------------------------
 
     async def request(self, head: bytes, body: bytes, stream: bool) -> Answer:
+        self.waiter = self.loop.create_future()
+        self._send(head, body, stream)
+        if self.drained is not None:
+            await self.drained
+        return await self.waiter
+
+    def start(
+        self, head: bytes, body: bytes, on_done: Callable[[Answer | UpstreamError], None]
+    ) -> None:
+        """Send a request whose complete answer (or failure) goes to `on_done`, called
+        from the connection's own callbacks: no task, no future. Not for streams."""
+        self.on_done = on_done
+        self._send(head, body, False)
+
+    def _send(self, head: bytes, body: bytes, stream: bool) -> None:
         assert self.transport is not None
         self.stream = stream
-        self.waiter = self.loop.create_future()
         self.answer = None
         self.header_pairs = []
         self.body_parts = []
@@ -257,9 +273,6 @@ class _Connection(asyncio.Protocol):
         except (OSError, RuntimeError) as exc:
             # The engine closed the connection under us; connection_lost is on its way.
             self._fail(UpstreamError(f"{self.origin.host_header.decode()}: write failed ({exc})"))
-        if self.drained is not None:
-            await self.drained
-        return await self.waiter
 
     def _message_done(self) -> None:
         answer = self.answer
@@ -282,26 +295,32 @@ class _Connection(asyncio.Protocol):
         answer.body = b"".join(self.body_parts)
         self.body_parts = []
         answer._complete = True
-        waiter = self.waiter
+        waiter, done = self.waiter, self.on_done
         if waiter is not None and not waiter.done():
             waiter.set_result(answer)
         self.finished()
+        if done is not None:
+            done(answer)  # after `finished`: the callee may reuse this very connection
 
     def finished(self) -> None:
         """The request is over; give the connection back (or let it go when closed)."""
         self.waiter = None
+        self.on_done = None
         self.answer = None
         self.pool._put(self)
 
     def _fail(self, error: UpstreamError) -> None:
         self._stop_timer()
         self.busy = False
-        waiter = self.waiter
+        waiter, done = self.waiter, self.on_done
+        self.on_done = None
         if waiter is not None and not waiter.done():
             waiter.set_exception(error)
         elif self.answer is not None and self.stream and not self.answer._complete:
             self.answer._finish(error)
         self.close()
+        if done is not None:
+            done(error)
 
     def _check(self) -> None:
         """The read-inactivity timer: fail the request if the engine went silent."""
@@ -379,6 +398,8 @@ class Upstream:
         self._waiting: deque[asyncio.Future[None]] = deque()
         self._ssl: ssl.SSLContext | None = None
         self._closing = False
+        # `post_now` requests sent once more on a fresh connection (held until done).
+        self._resending: set[asyncio.Task[None]] = set()
 
     @property
     def open_connections(self) -> int:
@@ -401,14 +422,7 @@ class Upstream:
         back is sent once more on a fresh one: the engine closed an idle connection at the
         moment it was reused, so it never saw the request.
         """
-        origin = self._origins.get(url)
-        if origin is None:
-            if len(self._origins) >= MAX_REMEMBERED_ORIGINS:
-                # Parsed URLs and request heads are caches; a fleet that churns through
-                # many engines must not grow them without end.
-                self._origins.clear()
-                self._heads.clear()
-            origin = self._origins[url] = Origin.parse(url)
+        origin = self._origin(url)
         head = self._head(origin, path, extra_headers, len(body))
         for attempt in (0, 1):
             conn = await self._acquire(origin, fresh=attempt > 0)
@@ -423,6 +437,70 @@ class Upstream:
                 conn.close()  # cancelled mid-request: the connection's state is unknown
                 raise
         raise AssertionError("unreachable")
+
+    def post_now(
+        self,
+        url: str,
+        path: str,
+        body: bytes,
+        extra_headers: tuple[tuple[str, str], ...],
+        on_done: Callable[[Answer | UpstreamError], None],
+    ) -> bool:
+        """`post` without a coroutine, for a complete (not streamed) answer: sent at once
+        on an idle keep-alive connection, the outcome handed to `on_done` when it is known
+        (possibly before this returns). False, with nothing sent, when no idle connection
+        is at hand: then `post` must be awaited (it connects)."""
+        origin = self._origin(url)
+        conn = self._take_idle(origin)
+        if conn is None:
+            return False
+        head = self._head(origin, path, extra_headers, len(body))
+
+        def settled(outcome: Answer | UpstreamError) -> None:
+            if (
+                isinstance(outcome, UpstreamError)
+                and not isinstance(outcome, UpstreamTimeout)
+                and not conn.received
+            ):
+                # The engine closed an idle connection as it was reused: once more on a
+                # fresh one, as `post` does.
+                task = self.loop.create_task(self._resend(origin, head, body, on_done))
+                self._resending.add(task)
+                task.add_done_callback(self._resending.discard)
+                return
+            on_done(outcome)
+
+        conn.start(head, body, settled)
+        return True
+
+    async def _resend(
+        self,
+        origin: Origin,
+        head: bytes,
+        body: bytes,
+        on_done: Callable[[Answer | UpstreamError], None],
+    ) -> None:
+        try:
+            conn = await self._acquire(origin, fresh=True)
+            answer = await conn.request(head, body, False)
+        except UpstreamError as exc:
+            on_done(exc)
+            return
+        except Exception as exc:
+            on_done(UpstreamError(f"{origin.host_header.decode()}: {exc!r}"))
+            return
+        on_done(answer)
+
+    def _origin(self, url: str) -> Origin:
+        origin = self._origins.get(url)
+        if origin is None:
+            if len(self._origins) >= MAX_REMEMBERED_ORIGINS:
+                # Parsed URLs and request heads are caches; a fleet that churns through
+                # many engines must not grow them without end.
+                self._origins.clear()
+                self._heads.clear()
+            origin = self._origins[url] = Origin.parse(url)
+        return origin
 
     def _head(
         self, origin: Origin, path: str, extra: tuple[tuple[str, str], ...], length: int
