@@ -235,3 +235,35 @@ def test_the_exchange_counts_its_requests_in_the_metrics(pair: tuple[Served, Ser
     before = routed()
     fast.exchange(post("/v1/generate", generate(), fast.tokens["client"]))
     assert routed() == before + 1
+
+
+def test_a_client_gone_before_its_body_ended_is_counted_as_499_on_both_entries(
+    pair: tuple[Served, Served],
+) -> None:
+    gone = re.compile(r'^tether_requests_total\{route="/v1/generate",status="499"\} (\S+)$', re.M)
+    head_only = post("/v1/generate", generate(), pair[0].tokens["client"])[:-5]
+    for served in pair:
+
+        def counted(served: Served = served) -> float:
+            found = gone.search(httpx.get(f"{served.process.url}/metrics", timeout=10).text)
+            return float(found.group(1)) if found else 0.0
+
+        before = counted()
+        with socket.create_connection(served.address, timeout=30) as sock:
+            sock.sendall(head_only)  # the last bytes of the body never come
+        wait_until(lambda: counted() == before + 1, 30, "the abandoned request to be counted")
+
+
+def test_routed_requests_in_a_row_on_one_connection_each_reach_the_engine(
+    pair: tuple[Served, Served],
+) -> None:
+    """The exchange answers a routed request from the engine connection's callbacks:
+    back-to-back requests reuse both connections and each gets its own engine answer."""
+    fast, _ = pair
+    raw = post("/v1/generate", generate(), fast.tokens["client"])
+    with socket.create_connection(fast.address, timeout=30) as sock:
+        for _ in range(20):
+            sock.sendall(raw)
+            [(status, headers, body)] = read_answers(sock, 1)
+            assert status == 200, body
+            assert json.loads(body)["engine_id"] == headers["x-tether-engine-id"]

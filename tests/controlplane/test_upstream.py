@@ -338,3 +338,89 @@ def test_header_values_cannot_smuggle_lines_and_bad_urls_are_refused() -> None:
         await client.close()
 
     asyncio.run(main())
+
+
+async def post_now(client: Upstream, url: str) -> Answer | UpstreamError:
+    """`post_now`, awaited by the test through a future its callback resolves."""
+    done: asyncio.Future[Answer | UpstreamError] = asyncio.get_running_loop().create_future()
+    assert client.post_now(url, "/generate", b"{}", (), done.set_result)
+    return await done
+
+
+def test_post_now_sends_only_on_an_idle_connection_and_reports_the_answer() -> None:
+    async def answers(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while (await read_request(reader))[0]:
+            writer.write(reply(b"ok"))
+            await writer.drain()
+
+    async def main() -> None:
+        client = Upstream(read_timeout_s=5)
+        server, url, accepted = await serve(answers)
+        try:
+            # No idle connection yet: nothing is sent, the caller must await `post`.
+            assert not client.post_now(url, "/generate", b"{}", (), lambda _: None)
+            assert (await client.post(url, "/generate", b"{}")).body == b"ok"
+            for _ in range(3):
+                outcome = await post_now(client, url)
+                assert isinstance(outcome, Answer) and outcome.body == b"ok"
+            assert len(accepted) == 1  # every one on the kept connection
+        finally:
+            server.close()
+            await client.close()
+
+    asyncio.run(main())
+
+
+def test_post_now_resends_on_a_fresh_connection_when_the_idle_one_was_closed() -> None:
+    async def one_then_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(reply(b"1"))
+        await writer.drain()
+
+    async def main() -> None:
+        client = Upstream(read_timeout_s=5)
+        server, url, accepted = await serve(one_then_close)
+        try:
+            assert (await client.post(url, "/generate", b"{}")).body == b"1"
+            outcome = await post_now(client, url)
+            assert isinstance(outcome, Answer) and outcome.body == b"1"
+            assert len(accepted) == 2
+        finally:
+            server.close()
+            await client.close()
+
+    asyncio.run(main())
+
+
+def test_silence_on_a_reused_connection_still_times_out() -> None:
+    """The read timer is armed once per connection and renews itself: a request on a kept
+    connection, long after the timer's first deadline, still fails when the engine goes
+    silent, through `post` and through `post_now`."""
+
+    async def then_silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(reply(b"1"))
+        await writer.drain()
+        await read_request(reader)
+        await reader.read()  # never answers again
+
+    async def main() -> None:
+        client = Upstream(read_timeout_s=0.3)
+        loop = asyncio.get_running_loop()
+        for send in ("post", "post_now"):
+            server, url, _ = await serve(then_silent)
+            try:
+                assert (await client.post(url, "/generate", b"{}")).body == b"1"
+                await asyncio.sleep(0.4)  # the first request's deadline passes while idle
+                began = loop.time()
+                if send == "post":
+                    with pytest.raises(UpstreamTimeout):
+                        await client.post(url, "/generate", b"{}")
+                else:
+                    assert isinstance(await post_now(client, url), UpstreamTimeout)
+                assert loop.time() - began >= 0.25  # never early; no upper bound (load)
+            finally:
+                server.close()
+        await client.close()
+
+    asyncio.run(main())
