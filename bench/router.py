@@ -2,8 +2,9 @@
 
 Side by side on one machine: requests straight to fast engine stand-ins, through Tether's
 router (its own hot-lane exchange, one process and any `--workers` counts asked for; and
-the same lane through ASGI, `tether-asgi`, as before the exchange), and through SGLang's
-Rust router (`sglang-router`) to the same stand-ins. For each router, the CPU time of its
+the same lane through ASGI, `tether-asgi`, as before the exchange), in the client-side
+route mode (`tether-route`: `GET /v1/route`, then the engine directly), and through
+SGLang's Rust router (`sglang-router`) to the same stand-ins. For each router, the CPU time of its
 process tree per request during the throughput runs. Also the routing decision time with
 1,000 registered engines, and heartbeat latency with 1,000 simulated engines at 1 Hz on
 SQLite and on PostgreSQL (`--pg-url`, else a server started from the machine's
@@ -12,7 +13,8 @@ initdb/pg_ctl for the run). The last line printed is one JSON object of the figu
 Method: a bare asyncio HTTP/1.1 keep-alive client (the servers share the machine with
 it). Added latency is the difference of medians of sequential requests (one in flight),
 interleaved across the paths round by round so drift cancels; throughput is measured
-separately with `--concurrency` connections, the paths alternating over two rounds.
+separately with `--concurrency` connections, the paths alternating over `--rounds` rounds
+(the order rotating), with each round's Tether / Rust ratio in the figures.
 
 Run: `tether bench router` or `python -m bench.router --samples 2000 --requests 2000`.
 """
@@ -131,9 +133,16 @@ class RawConnection:
             f"Content-Length: {len(body)}\r\n\r\n"
         )
         self.writer.write(head.encode() + body)
+        return await self._answer(f"POST {path}")
+
+    async def get(self, path: str) -> tuple[int, bytes]:
+        self.writer.write(f"GET {path} {self.prefix}\r\n".encode())
+        return await self._answer(f"GET {path}")
+
+    async def _answer(self, what: str) -> tuple[int, bytes]:
         status_line = await self.reader.readline()
         if not status_line:
-            raise ConnectionError(f"connection closed before answering POST {path}")
+            raise ConnectionError(f"connection closed before answering {what}")
         status = int(status_line.split()[1])
         length, chunked = 0, False
         while (line := await self.reader.readline()) not in (b"\r\n", b""):
@@ -156,6 +165,32 @@ class RawConnection:
         self.writer.close()
 
 
+class RoutedConnection:
+    """The client-side route mode: ask the router which engine (`GET /v1/route`), then
+    post to that engine directly on a kept connection of its own. The router sees one
+    small request per generate request and never carries the prompt or the answer."""
+
+    def __init__(self, router: RawConnection, query: str) -> None:
+        self.router = router
+        self.query = query
+        self.engines: dict[str, RawConnection] = {}
+
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        status, reply = await self.router.get(self.query)
+        if status != 200:
+            return status, reply
+        url = json.loads(reply)["url"]
+        conn = self.engines.get(url)
+        if conn is None:
+            conn = self.engines[url] = await RawConnection.open(url)
+        return await conn.post(path, body)
+
+    def close(self) -> None:
+        self.router.close()
+        for conn in self.engines.values():
+            conn.close()
+
+
 GENERATE_BODY = json.dumps(
     {"text": "hello", "weight_version": {"min_version": 1}, "sampling_params": {}}
 ).encode()
@@ -173,15 +208,19 @@ class Target:
         path: str,
         headers: dict[str, str],
         pid: int | None = None,
+        route_query: str | None = None,
     ) -> None:
         self.name, self.bases, self.path, self.headers = name, bases, path, headers
         self.pid = pid
+        # Set: the client-side route mode (`RoutedConnection`) with this `/v1/route` query.
+        self.route_query = route_query
 
-    async def connect(self, i: int = 0) -> RawConnection:
-        return await RawConnection.open(self.bases[i % len(self.bases)], self.headers)
+    async def connect(self, i: int = 0) -> RawConnection | RoutedConnection:
+        conn = await RawConnection.open(self.bases[i % len(self.bases)], self.headers)
+        return RoutedConnection(conn, self.route_query) if self.route_query else conn
 
 
-async def _call(conn: RawConnection, path: Target) -> float:
+async def _call(conn: RawConnection | RoutedConnection, path: Target) -> float:
     start = time.perf_counter()
     status, reply = await conn.post(path.path, GENERATE_BODY)
     took = time.perf_counter() - start
@@ -222,7 +261,7 @@ async def _throughput(path: Target, requests: int, concurrency: int) -> tuple[fl
     await asyncio.gather(*(_call(c, path) for c in conns))
     counter = iter(range(requests))
 
-    async def worker(conn: RawConnection) -> None:
+    async def worker(conn: RawConnection | RoutedConnection) -> None:
         for _ in counter:
             await _call(conn, path)
 
@@ -243,17 +282,21 @@ async def _compare(
     lat = await _latencies(paths, samples)
     done = {p.name: 0.0 for p in paths}
     cpu = {p.name: 0.0 for p in paths}
-    for _ in range(rounds):
-        for p in paths:
+    by_round: dict[str, list[float]] = {p.name: [] for p in paths}
+    for r in range(rounds):
+        # The order rotates each round, so no path always follows the same one.
+        for p in paths[r % len(paths) :] + paths[: r % len(paths)]:
             wall, used = await _throughput(p, requests, concurrency)
             done[p.name] += wall
             cpu[p.name] += used
+            by_round[p.name].append(requests / wall)
     return {
         p.name: {
             "rps": rounds * requests / done[p.name],
             "cpu_us": cpu[p.name] / (rounds * requests) * 1e6,
             "p50_ms": statistics.median(lat[p.name]) * 1e3,
             "p99_ms": _percentile(lat[p.name], 0.99) * 1e3,
+            "rps_by_round": by_round[p.name],
         }
         for p in paths
     }
@@ -390,6 +433,8 @@ def _tether_name(workers: int) -> str:
 # The control plane as it was before its own hot-lane exchange: every hot request through
 # an ASGI cycle (the same answers), measured beside the current one.
 ASGI_ENTRY = "tether-asgi"
+# The client asks the router for an engine and calls it itself (`RoutedConnection`).
+ROUTE_MODE = "tether-route"
 
 
 def _own_postgres() -> tuple[str | None, Any, str | None]:
@@ -421,6 +466,14 @@ def run(
     asgi_entry: bool = typer.Option(
         True, help=f"also measure the hot lane through ASGI ('{ASGI_ENTRY}', 1 process)"
     ),
+    route_mode: bool = typer.Option(
+        True,
+        help=f"also measure the client-side route mode ('{ROUTE_MODE}': GET /v1/route, then "
+        "straight to the engine)",
+    ),
+    rounds: int = typer.Option(
+        2, help="throughput rounds, the paths alternating (more: drifting load cancels better)"
+    ),
     fleet: int = typer.Option(1000, help="engines for the decision and heartbeat figures"),
     heartbeat_seconds: float = typer.Option(
         10, help="seconds of 1 Hz heartbeats to measure (0: skip the heartbeat figures)"
@@ -444,6 +497,8 @@ def run(
     configs = list(dict.fromkeys(workers))  # each configuration once, in the order given
     if not configs or min(configs) < 1:
         raise typer.BadParameter("each --workers must be 1 or more", param_hint="--workers")
+    if rounds < 1:
+        raise typer.BadParameter("--rounds must be 1 or more", param_hint="--rounds")
     remove_postgres = None
     try:
         store = work / "store"
@@ -488,6 +543,11 @@ def run(
         for name, plane in planes.items():
             assert plane.url is not None
             targets.append(Target(name, [plane.url], "/v1/generate", headers, plane.process.pid))
+        if route_mode:
+            plane = planes[_tether_name(configs[-1])]
+            assert plane.url is not None
+            targets.append(Target(ROUTE_MODE, [plane.url], "/generate", headers,
+                                  plane.process.pid, "/v1/route?min_version=1"))  # fmt: skip
         if rust is not None:
             assert rust.url is not None
             targets.append(Target("sglang-router", [rust.url], "/generate", {}, rust.process.pid))
@@ -495,7 +555,7 @@ def run(
             f"[bold]router[/bold]: {samples} sequential requests per path, interleaved; "
             f"then {requests} requests x {len(targets)} paths x 2 rounds, {concurrency} in flight"
         )
-        found = asyncio.run(_compare(targets, samples, requests, concurrency))
+        found = asyncio.run(_compare(targets, samples, requests, concurrency, rounds))
         direct, rust_found = found["direct"], found.get("sglang-router")
         tether = found[_tether_name(configs[-1])]
 
@@ -551,6 +611,20 @@ def run(
                 round(tether["rps"] / rust_found["rps"], 3) if rust_found else None
             ),
             rust_skipped_reason=why,
+            route_mode_rps=round(found[ROUTE_MODE]["rps"], 1) if route_mode else None,
+            route_mode_cpu_us_per_request=(
+                round(found[ROUTE_MODE]["cpu_us"], 1) if route_mode else None
+            ),
+            router_over_rust_by_round=(
+                [
+                    round(ours / theirs, 3)
+                    for ours, theirs in zip(
+                        tether["rps_by_round"], rust_found["rps_by_round"], strict=True
+                    )
+                ]
+                if rust_found
+                else None
+            ),
         )
         if rust_found:
             console.print(
@@ -600,6 +674,7 @@ def run(
         shutil.rmtree(work, ignore_errors=True)
     figures.update(
         workers=configs[-1],
+        rounds=rounds,
         samples=samples,
         requests=requests,
         concurrency=concurrency,
