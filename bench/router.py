@@ -277,7 +277,7 @@ async def _throughput(path: Target, requests: int, concurrency: int) -> tuple[fl
 
 async def _compare(
     paths: list[Target], samples: int, requests: int, concurrency: int, rounds: int = 2
-) -> dict[str, dict[str, float]]:
+) -> dict[str, dict[str, Any]]:
     """Latency at concurrency 1 (interleaved), then throughput, alternating paths."""
     lat = await _latencies(paths, samples)
     done = {p.name: 0.0 for p in paths}

@@ -10,10 +10,14 @@ closures and two writes. The body and header limits and the request metrics are 
 lane's own middleware objects, applied directly. Streamed answers go through small ASGI
 send/receive shims with chunked framing and the connection's write flow control.
 
+A generate request with a cached token, an admitted body and an idle kept connection to
+its engine runs without a task: sent from the body's last parser callback, answered from
+the engine connection's (see "The routed request without a task" below).
+
 It stands in the protocol's `cycle` slot and keeps the attributes the protocol reads and
 writes there (`body`, `more_body`, `message_event`, `response_complete`, `disconnected`,
-`keep_alive`), so keep-alive, pipelining behind it, disconnects and graceful shutdown are
-uvicorn's own. Never takes a request that is not a plain HTTP/1.1 POST on a hot path with
+`keep_alive`), so pipelining behind it, disconnects and graceful shutdown are uvicorn's
+own; the end of an answer goes to the protocol's `on_complete` (its keep-alive expiry). Never takes a request that is not a plain HTTP/1.1 POST on a hot path with
 nothing still unanswered ahead of it on the connection (no `Expect`, no upgrade, no
 percent-encoded path, no concurrency limit configured): those go to uvicorn's ASGI cycle
 and reach the same `HotPath` through `ControlPlaneApp`.
@@ -23,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -40,16 +44,17 @@ from controlplane.snapshot import EngineView
 from controlplane.upstream import Answer, UpstreamError
 
 if TYPE_CHECKING:
-    from controlplane.serving import CappedHttpTools
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 log = logging.getLogger(__name__)
 
 CLIENT_GONE = 499
 
 
-def start(protocol: CappedHttpTools) -> bool:
+def start(protocol: HttpToolsProtocol, on_complete: Callable[[], None]) -> bool:
     """Take the request whose head the protocol has just parsed, if it is a hot one that
-    this exchange may serve; False leaves it to uvicorn's ASGI cycle."""
+    this exchange may serve; False leaves it to uvicorn's ASGI cycle. `on_complete` is the
+    protocol's own end of a response (keep-alive expiry, a pipelined request next)."""
     lane = getattr(protocol.app, "hot_lane", None)
     if not isinstance(lane, HotLane) or not lane.exchange:
         return False
@@ -72,7 +77,7 @@ def start(protocol: CappedHttpTools) -> bool:
     route = lane.path.match("POST", path)
     if route is None:
         return False
-    exchange = HotExchange(protocol, lane, route, path, parser.should_keep_alive())
+    exchange = HotExchange(protocol, lane, route, path, parser.should_keep_alive(), on_complete)
     protocol.cycle = exchange  # type: ignore[assignment]
     if route.template.path in GENERATE_ROUTES and lane.path.cp.proxy is not None:
         exchange.awaiting_body = True  # a generate request: see `body_complete`
@@ -86,13 +91,15 @@ class HotExchange:
 
     def __init__(
         self,
-        protocol: CappedHttpTools,
+        protocol: HttpToolsProtocol,
         lane: HotLane,
         route: HotRoute,
         path: str,
         keep_alive: bool,
+        on_complete: Callable[[], None],
     ) -> None:
         self.protocol = protocol
+        self.on_complete = on_complete
         self.lane = lane
         self.route = route
         self.path = path
@@ -359,4 +366,4 @@ class HotExchange:
         self.message_event.set()
         if not self.keep_alive or self.disconnected:
             self.protocol.transport.close()
-        self.protocol.hot_response_complete()
+        self.on_complete()

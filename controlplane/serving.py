@@ -71,7 +71,7 @@ class CappedHttpTools(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._head_bytes = 0
-        if not hot_exchange.start(self):
+        if not hot_exchange.start(self, self.hot_response_complete):
             super().on_headers_complete()
 
     def _unset_keepalive_if_required(self) -> None:

@@ -251,7 +251,9 @@ def test_a_client_gone_before_its_body_ended_is_counted_as_499_on_both_entries(
         before = counted()
         with socket.create_connection(served.address, timeout=30) as sock:
             sock.sendall(head_only)  # the last bytes of the body never come
-        wait_until(lambda: counted() == before + 1, 30, "the abandoned request to be counted")
+        wait_until(
+            lambda before=before: counted() == before + 1, 30, "the abandoned request counted"
+        )
 
 
 def test_routed_requests_in_a_row_on_one_connection_each_reach_the_engine(
