@@ -17,10 +17,11 @@ the engine connection's (see "The routed request without a task" below).
 It stands in the protocol's `cycle` slot and keeps the attributes the protocol reads and
 writes there (`body`, `more_body`, `message_event`, `response_complete`, `disconnected`,
 `keep_alive`), so pipelining behind it, disconnects and graceful shutdown are uvicorn's
-own; the end of an answer goes to the protocol's `on_complete` (its keep-alive expiry). Never takes a request that is not a plain HTTP/1.1 POST on a hot path with
-nothing still unanswered ahead of it on the connection (no `Expect`, no upgrade, no
-percent-encoded path, no concurrency limit configured): those go to uvicorn's ASGI cycle
-and reach the same `HotPath` through `ControlPlaneApp`.
+own; the end of an answer goes to the protocol's `on_complete` (its keep-alive expiry).
+Never takes a request that is not a plain HTTP/1.1 POST on a hot path with nothing still
+unanswered ahead of it on the connection (no `Expect`, no upgrade, no percent-encoded
+path, no concurrency limit configured): those go to uvicorn's ASGI cycle and reach the
+same `HotPath` through `ControlPlaneApp`.
 """
 
 from __future__ import annotations
