@@ -340,6 +340,7 @@ class Share:
         self.agents: dict[int, Any] = {}
         self.tasks: dict[int, asyncio.Task[int]] = {}
         self._announced: set[int] = set()
+        self._base_settings: Any = None
         self.recording = False
         self.heartbeat_s: list[float] = []
         self.loop_lag_s: list[float] = []
@@ -372,30 +373,11 @@ class Share:
     def add(self, index: int) -> None:
         from engine_agent.agent import Agent
         from engine_agent.control_client import ControlClient
-        from engine_agent.settings import AgentSettings
         from store.store import Store
-        from wire import Precision
 
         spec = self.spec
         work = spec.work / f"agent-{index}"
-        settings = AgentSettings(
-            engine_url="http://127.0.0.1:9",
-            precision=Precision.BF16,
-            run=spec.run,
-            store=spec.store_url,
-            control_plane=spec.control_plane,
-            token=spec.engine_token,
-            boot_model=spec.boot,
-            boot_version=0,
-            work_dir=work,
-            engine_probe_s=5.0,
-            long_poll_s=20.0,
-            retry_initial_s=0.2,
-            retry_max_s=2.0,
-            peer_fetch=spec.peers,
-            peer_upload_bytes_per_s=spec.agent_link_mbps * MB,
-            peer_chunk_bytes=spec.peer_chunk_bytes,
-        )
+        settings = self._settings().model_copy(update={"work_dir": work})
         report = self.report
 
         def committed(version: int) -> None:
@@ -415,6 +397,34 @@ class Share:
             _serve_damaged(agent)
         self.agents[index] = agent
         self.tasks[index] = asyncio.create_task(agent.run(), name=f"agent-{index}")
+
+    def _settings(self) -> Any:
+        """The agents' settings but for the work dir, read once: building them reads the
+        environment and .env files (about 30 ms of the event loop's time per agent)."""
+        if self._base_settings is None:
+            from engine_agent.settings import AgentSettings
+            from wire import Precision
+
+            spec = self.spec
+            self._base_settings = AgentSettings(
+                engine_url="http://127.0.0.1:9",
+                precision=Precision.BF16,
+                run=spec.run,
+                store=spec.store_url,
+                control_plane=spec.control_plane,
+                token=spec.engine_token,
+                boot_model=spec.boot,
+                boot_version=0,
+                work_dir=spec.work,
+                engine_probe_s=5.0,
+                long_poll_s=20.0,
+                retry_initial_s=0.2,
+                retry_max_s=2.0,
+                peer_fetch=spec.peers,
+                peer_upload_bytes_per_s=spec.agent_link_mbps * MB,
+                peer_chunk_bytes=spec.peer_chunk_bytes,
+            )
+        return self._base_settings
 
     def _hooks(self) -> dict[str, list[Any]]:
         return {"request": [_sent], "response": [self._answered]}

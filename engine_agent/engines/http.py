@@ -13,6 +13,7 @@ import httpx
 
 from engine_agent.engines.base import Engine
 from engine_agent.errors import EngineRefused, EngineUnreachable
+from store.sources.http import shared_tls
 
 
 class HTTPEngine(Engine):
@@ -29,7 +30,7 @@ class HTTPEngine(Engine):
         self.url = url.rstrip("/")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.AsyncClient(
-            base_url=self.url, headers=headers, timeout=control_timeout_s
+            base_url=self.url, headers=headers, timeout=control_timeout_s, verify=shared_tls()
         )
         self._load_timeout_s = load_timeout_s
 
