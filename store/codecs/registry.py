@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from store.codecs.delta import DeltaCodec
 from store.codecs.sparse import SparseCodec
 from store.codecs.sparse_v2 import SparseV2Codec
+from store.codecs.sparse_v3 import SparseV3Codec
 from store.codecs.xor import XorCodec
 from store.errors import UnknownCodec
 from store.types import VersionKind
@@ -32,10 +33,10 @@ class Codec:
         return self.delta.delta_encoding if self.delta is not None else None
 
 
-_DELTAS: dict[str, DeltaCodec] = {"xor": XorCodec(), "sparse": SparseV2Codec()}
+_DELTAS: dict[str, DeltaCodec] = {"xor": XorCodec(), "sparse": SparseV3Codec()}
 # Every encoding Tether reads: what the codecs write now plus their older versions
-# (`sparse-v1` versions published before `sparse-v2` existed still decode).
-_READERS: tuple[DeltaCodec, ...] = (*_DELTAS.values(), SparseCodec())
+# (`sparse-v1` and `sparse-v2` versions published before `sparse-v3` existed still decode).
+_READERS: tuple[DeltaCodec, ...] = (*_DELTAS.values(), SparseV2Codec(), SparseCodec())
 
 
 def get_codec(name: str) -> Codec:
@@ -48,7 +49,7 @@ def get_codec(name: str) -> Codec:
 
 
 def codec_for_encoding(delta_encoding: str) -> DeltaCodec:
-    """The delta codec that reads an index's `delta_encoding` ("xor", "sparse-v2", "sparse-v1")."""
+    """The delta codec that reads an index's `delta_encoding` ("xor", "sparse-v3", ...)."""
     for codec in _READERS:
         if codec.delta_encoding == delta_encoding:
             return codec

@@ -20,6 +20,9 @@ anything but the arrays it is given.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import numpy as np
 
 from store.codecs.bitstreams import (
@@ -92,9 +95,24 @@ def _check_unary(bits: int, count: int, slack: int, what: str) -> None:
         raise CorruptPayload(f"{what} declares {bits} unary bits for {count} values")
 
 
+@dataclass(frozen=True)
+class _ValueHeader:
+    """What a block's value fields declare: the mode, STEP's nonzero magnitudes and their
+    Rice parameters and unary bit counts, and the decoded sizes of the value streams."""
+
+    mode: int
+    nonzero: int
+    r_gap: int
+    gap_bits: int
+    r_value: int
+    value_bits: int
+    sizes: list[int]
+
+
 class SparseV2Codec:
     name = "sparse"
     delta_encoding = "sparse-v2"
+    tag = TAG  # the payload's first byte; later encodings built on this one change it
 
     def __init__(self, level: int = ZSTD_LEVEL, block_log2: int = BLOCK_LOG2) -> None:
         self._zstd = ZstdContexts(level)
@@ -145,9 +163,19 @@ class SparseV2Codec:
         write_varint(changed, head)
         if changed == 0:
             return bytes(head)
-        mode = _choose_mode(new_values, old_values)
         r = rice_parameter(gaps, int(new.size))
         low, unary, unary_bits = rice_encode(gaps, r)
+        mode, fields, value_streams = self._value_part(new_values, old_values)
+        head += bytes((mode, r))
+        write_varint(unary_bits, head)
+        head += fields
+        return self._finish_block(head, [low, unary, *value_streams])
+
+    def _value_part(
+        self, new_values: np.ndarray, old_values: np.ndarray
+    ) -> tuple[int, bytes, list[np.ndarray]]:
+        """(mode, its header fields, its streams) of the changed elements' values."""
+        mode = _choose_mode(new_values, old_values)
         fields = bytearray()
         value_streams = None
         if mode == VALUES_STEP:
@@ -156,10 +184,10 @@ class SparseV2Codec:
         if value_streams is None:
             values = new_values ^ old_values if mode == VALUES_XOR else new_values
             value_streams = byte_planes(values, values.dtype.itemsize)
-        head += bytes((mode, r))
-        write_varint(unary_bits, head)
-        head += fields
-        streams = [low, unary, *value_streams]
+        return mode, bytes(fields), value_streams
+
+    def _finish_block(self, head: bytearray, streams: list[np.ndarray]) -> bytes:
+        """`head`, the streams' kinds and zstd lengths, then the (squeezed) streams."""
         squeezed = [self._squeeze(stream) for stream in streams]
         # Stream kinds, 2 bits each, four to a byte; then the stored length of each zstd
         # stream (a raw stream's length is its decoded size, which the reader knows).
@@ -176,18 +204,25 @@ class SparseV2Codec:
         new, old = target.bits(), base.bits()
         size = 1 << self._block_log2
         starts = range(0, new.size, size)
-        blocks = map_blocks(
-            lambda s: self._encode_block(new[s : s + size], old[s : s + size]), starts
-        )
-        changed = sum(read_varint(b, 0, "block")[0] for b in blocks)
+        encode_block = self._block_encoder(target)
+        blocks = map_blocks(lambda s: encode_block(new[s : s + size], old[s : s + size]), starts)
+        changed = sum(self._block_changes(b) for b in blocks)
         if changed == 0:
             return None
-        head = bytearray((TAG, target.itemsize, self._block_log2))
+        head = bytearray((self.tag, target.itemsize, self._block_log2))
         write_varint(int(new.size), head)
         write_varint(changed, head)
         for block in blocks[:-1]:  # the last block takes the rest of the payload
             write_varint(len(block), head)
         return np.frombuffer(b"".join([bytes(head), *blocks]), dtype=np.uint8)
+
+    def _block_encoder(self, target: RawTensor) -> Callable[[np.ndarray, np.ndarray], bytes]:
+        """How this encoding codes one block of `target` (new bits, old bits) -> bytes."""
+        return self._encode_block
+
+    def _block_changes(self, block: bytes) -> int:
+        """The changed-element count an encoded block starts with."""
+        return read_varint(block, 0, "block")[0]
 
     # -- decoding -------------------------------------------------------------------------
 
@@ -248,7 +283,19 @@ class SparseV2Codec:
         _check_unary(unary_bits, changed, bits.size >> r, what)
         plane = -(-changed // 8)
         sizes = [r * plane, -(-unary_bits // 8)]
-        nonzero = 0
+        offset, values = self._value_header(block, offset, changed, mode, bits.dtype.itemsize, what)
+        streams = self._read_streams(block, offset, sizes + values.sizes, what)
+        gaps = rice_decode(streams[0], streams[1], unary_bits, changed, r, what)
+        return self._apply_values(bits, gaps, values, streams[2:], what)
+
+    def _value_header(
+        self, block: memoryview, offset: int, changed: int, mode: int, width: int, what: str
+    ) -> tuple[int, _ValueHeader]:
+        """The value fields of a block's header from `offset` (after the positions' fields):
+        the offset after them and what they declare."""
+        plane = -(-changed // 8)
+        sizes: list[int] = []
+        nonzero = r_gap = gap_bits = r_value = value_bits = 0
         if mode == VALUES_STEP:
             nonzero, offset = read_varint(block, offset, what)
             sizes.append(plane)
@@ -268,16 +315,29 @@ class SparseV2Codec:
                 inner = -(-nonzero // 8)
                 sizes += [r_gap * inner, -(-gap_bits // 8), r_value * inner, -(-value_bits // 8)]
         else:
-            sizes += [changed] * bits.dtype.itemsize
-        streams = self._read_streams(block, offset, sizes, what)
-        gaps = rice_decode(streams[0], streams[1], unary_bits, changed, r, what)
+            sizes += [changed] * width
+        return offset, _ValueHeader(mode, nonzero, r_gap, gap_bits, r_value, value_bits, sizes)
+
+    def _apply_values(
+        self,
+        bits: np.ndarray,
+        gaps: np.ndarray,
+        header: _ValueHeader,
+        streams: list[np.ndarray],
+        what: str,
+    ) -> np.ndarray:
+        """Patch the changes at `gaps` with the value `streams` the header describes; return
+        their block-relative positions (sorted int64)."""
+        mode, nonzero = header.mode, header.nonzero
         if mode == VALUES_STEP:
             at = magnitude = np.empty(0, dtype=np.uint64)
             if nonzero:
-                at = rice_decode(streams[3], streams[4], gap_bits, nonzero, r_gap, what)
-                magnitude = rice_decode(streams[5], streams[6], value_bits, nonzero, r_value, what)
+                at = rice_decode(streams[1], streams[2], header.gap_bits, nonzero, header.r_gap, what)
+                magnitude = rice_decode(
+                    streams[3], streams[4], header.value_bits, nonzero, header.r_value, what
+                )
             width = 8 * bits.dtype.itemsize
-            error = apply_steps(bits, gaps, streams[2], at, magnitude, width)
+            error = apply_steps(bits, gaps, streams[0], at, magnitude, width)
             if error == ERR_MAGNITUDE:
                 raise CorruptPayload(f"{what} places a magnitude past its last change")
             if error != OK:
@@ -291,19 +351,21 @@ class SparseV2Codec:
         if int(positions[-1]) >= bits.size:
             raise CorruptPayload(f"{what} places a change past the end of its block")
         if mode == VALUES_XOR:
-            bits[positions] ^= join_planes(streams[2:], bits.dtype.itemsize)
+            bits[positions] ^= join_planes(streams, bits.dtype.itemsize)
         else:
-            bits[positions] = join_planes(streams[2:], bits.dtype.itemsize)
+            bits[positions] = join_planes(streams, bits.dtype.itemsize)
         block_positions: np.ndarray = positions
         return block_positions
 
     def apply_into(
         self, out: np.ndarray, payload: np.ndarray, itemsize: int, name: str
     ) -> np.ndarray:
-        what = f"sparse-v2 payload of {name!r}"
+        what = f"{self.delta_encoding} payload of {name!r}"
         raw = np.ascontiguousarray(payload, dtype=np.uint8).data.cast("B")
-        if len(raw) < 3 or raw[0] != TAG:
-            raise CorruptPayload(f"{what} does not start with the sparse-v2 tag {TAG:#x}")
+        if len(raw) < 3 or raw[0] != self.tag:
+            raise CorruptPayload(
+                f"{what} does not start with the {self.delta_encoding} tag {self.tag:#x}"
+            )
         width, block_log2 = raw[1], raw[2]
         count, offset = read_varint(raw, 3, what)
         changed, offset = read_varint(raw, offset, what)

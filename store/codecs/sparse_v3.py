@@ -1,0 +1,245 @@
+"""The `sparse` codec's newest encoding, `sparse-v3`: positions coded within classes of the base.
+
+Where a real optimizer step changes a float is not uniform: an update of about the learning
+rate moves a value only if it exceeds half a unit in its last place, so small-magnitude
+elements change often and large ones almost never. The decoder holds the base, so the base
+value's magnitude is free context. `sparse-v3` cuts a block's elements into a few classes by
+the base's magnitude key (its bits less the sign: exponent, then mantissa) and codes each
+class's changes as Rice-coded gaps counted among that class's elements only; a class that
+never changes costs one byte, and positions cost about H(changed | class) instead of
+sparse-v2's order-0 H(changed) (measured: a third less on real AdamW steps).
+
+The encoder estimates both costs per block from sampled counts and writes the class form
+only where it saves bytes; elsewhere the block is a sparse-v2 block behind one form byte, so
+the slower apply (one SIMD mask pass per class with changes) is paid only where it pays.
+Values (sign and magnitude, or NEW/XOR planes) are sparse-v2's streams. Kernels:
+`store.codecs.class_kernels`. Layout: `docs/format.md` §5b. Never reads or writes anything
+but the arrays it is given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from store.codecs.bitstreams import (
+    read_varint,
+    rice_decode,
+    rice_encode,
+    rice_parameter,
+    write_varint,
+)
+from store.codecs.class_kernels import (
+    OK,
+    changed_mask,
+    choose_classes,
+    class_mask,
+    decode_events,
+    encode_events,
+    h2_bits,
+    key_counts,
+    mask_gaps,
+)
+from store.codecs.sparse_kernels import gather_changes
+from store.codecs.sparse_v2 import SparseV2Codec, _check_unary
+from store.errors import CorruptPayload
+from store.tensors import RawTensor
+
+TAG = 0x33  # "3"
+FORM_GAPS, FORM_CLASSES = 0, 1
+MAX_CLASSES = 12
+MAX_LIVE = 4  # classes with changes: each costs the decoder one mask pass over the block
+# Mantissa bits per float dtype: the magnitude key >> this is the biased exponent, the
+# coarsest bins the encoder groups into classes. Other dtypes are coded as sparse-v2.
+MANTISSA_BITS = {"BF16": 7, "F16": 10, "F32": 23, "F64": 52, "F8_E4M3": 3, "F8_E5M2": 2}
+_SAMPLE = 1 << 16  # elements whose classes the encoder counts per block (a strided sample)
+_LIVE_BITS_PER_ELEMENT = 1 / 1024  # a live class's mask pass, priced in bits per element
+_LIVE_HEADER_BITS = 32.0  # a live class's events, Rice parameter and unary count
+_CLASS_BITS = 24.0  # a class's threshold and event count
+_RICE_SLACK = 1.03  # Rice codes spend ~3 % over n·H2(k/n) at these densities
+_GAIN = 0.97  # write classes only when they are estimated this much smaller
+_SURE = 0.8  # ... and skip encoding the gaps form when they are estimated this much smaller
+
+
+def _keymask(width: int) -> int:
+    return (1 << (8 * width - 1)) - 1
+
+
+def _class_ranges(starts: list[int], keymask: int) -> list[tuple[int, int]]:
+    """(lo, width) of each class's magnitude keys."""
+    ends = [*starts[1:], keymask + 1]
+    return [(lo, end - lo) for lo, end in zip(starts, ends, strict=True)]
+
+
+class SparseV3Codec(SparseV2Codec):
+    name = "sparse"
+    delta_encoding = "sparse-v3"
+    tag = TAG
+
+    def _block_encoder(self, target: RawTensor) -> Callable[[np.ndarray, np.ndarray], bytes]:
+        shift = MANTISSA_BITS.get(target.dtype)
+        if shift is None:
+            return self._encode_gaps_form
+        return lambda new, old: self._encode_either_form(new, old, shift)
+
+    # -- encoding -------------------------------------------------------------------------
+
+    def _encode_gaps_form(self, new: np.ndarray, old: np.ndarray) -> bytes:
+        return bytes((FORM_GAPS,)) + self._encode_block(new, old)
+
+    def _encode_either_form(self, new: np.ndarray, old: np.ndarray, shift: int) -> bytes:
+        """The class form where it is estimated, and measured, to be smaller; else gaps."""
+        plan = self._plan_classes(new, old, shift)
+        if plan is None:
+            return self._encode_gaps_form(new, old)
+        starts, ratio = plan
+        classes = self._encode_classes(new, old, starts)
+        if ratio > _SURE:  # a close call: encode both and keep the smaller
+            gaps_form = self._encode_gaps_form(new, old)
+            if len(gaps_form) <= len(classes):
+                return gaps_form
+        return classes
+
+    def _plan_classes(
+        self, new: np.ndarray, old: np.ndarray, shift: int
+    ) -> tuple[list[int], float] | None:
+        """(the classes' first keys, estimated class bits / gap bits) if classes are
+        estimated to save bytes, else None."""
+        keymask = _keymask(new.dtype.itemsize)
+        bins = (keymask >> shift) + 1
+        elements = np.zeros(bins, np.int64)
+        changes = np.zeros(bins, np.int64)
+        stride = max(1, new.size // _SAMPLE)
+        key_counts(new, old, keymask, shift, stride, elements, changes)
+        n, k = float(elements.sum()), float(changes.sum())
+        if k == 0:
+            return None
+        gaps_bits = _RICE_SLACK * h2_bits(n, k)
+        starts = np.zeros(MAX_CLASSES, np.int64)
+        count, class_bits = choose_classes(
+            elements.astype(np.float64),
+            changes.astype(np.float64),
+            MAX_CLASSES,
+            MAX_LIVE,
+            _LIVE_HEADER_BITS / stride + _LIVE_BITS_PER_ELEMENT * n,
+            _CLASS_BITS / stride,
+            starts,
+        )
+        if count < 2 or _RICE_SLACK * class_bits >= _GAIN * gaps_bits:
+            return None
+        return [int(s) << shift for s in starts[:count]], _RICE_SLACK * class_bits / gaps_bits
+
+    def _encode_classes(self, new: np.ndarray, old: np.ndarray, starts: list[int]) -> bytes:
+        keymask = _keymask(new.dtype.itemsize)
+        words = -(-new.size // 64)
+        changed = np.empty(words, np.uint64)
+        changed_mask(new, old, changed)
+        k = _count(changed)
+        new_values, old_values = np.empty(k, new.dtype), np.empty(k, old.dtype)
+        gather_changes(new, old, changed, np.empty(k, np.uint32), new_values, old_values)
+        # Changes per class from the changed elements alone: classes without any cost one
+        # byte and no pass over the block.
+        keys = (old_values & old_values.dtype.type(keymask)).astype(np.int64)
+        hits = np.bincount(np.searchsorted(starts, keys, side="right") - 1, minlength=len(starts))
+        mask = np.empty(words, np.uint64)
+        head = bytearray((FORM_CLASSES,))
+        write_varint(k, head)
+        head.append(len(starts))
+        for lo in starts[1:]:
+            write_varint(lo, head)
+        streams: list[np.ndarray] = []
+        for (lo, width), hit in zip(_class_ranges(starts, keymask), hits.tolist(), strict=True):
+            if not hit:
+                head.append(0)
+                continue
+            class_mask(old, keymask, lo, width, mask)
+            members = _count(mask)
+            complement = 2 * hit > members  # code the unchanged ones: fewer, same walk
+            events = members - hit if complement else hit
+            write_varint(2 * events + int(complement), head)
+            if events:
+                values = np.empty(events, np.uint32)
+                encode_events(mask, changed, complement, values)
+                r = rice_parameter(values, members)
+                low, unary, unary_bits = rice_encode(values, r)
+                head.append(r)
+                write_varint(unary_bits, head)
+                streams += [low, unary]
+        mode, fields, value_streams = self._value_part(new_values, old_values)
+        head.append(mode)
+        head += fields
+        return self._finish_block(head, [*streams, *value_streams])
+
+    def _block_changes(self, block: bytes) -> int:
+        return read_varint(block, 1, "block")[0]
+
+    # -- decoding -------------------------------------------------------------------------
+
+    def _apply_block(self, bits: np.ndarray, block: memoryview, what: str) -> np.ndarray:
+        if len(block) < 2:
+            raise CorruptPayload(f"{what} is {len(block)} bytes: no form byte and count")
+        if block[0] == FORM_GAPS:
+            return super()._apply_block(bits, block[1:], what)
+        if block[0] != FORM_CLASSES:
+            raise CorruptPayload(f"{what} has position form {block[0]}, expected 0 or 1")
+        changed, offset = read_varint(block, 1, what)
+        if not 0 < changed <= bits.size or offset >= len(block):
+            raise CorruptPayload(f"{what} claims {changed} changes in {bits.size} elements")
+        count = block[offset]
+        offset += 1
+        keymask = _keymask(bits.dtype.itemsize)
+        starts = [0]
+        for _ in range(count - 1):
+            lo, offset = read_varint(block, offset, what)
+            if not starts[-1] < lo <= keymask:
+                raise CorruptPayload(f"{what} has class thresholds out of order ({lo})")
+            starts.append(lo)
+        if count == 0:
+            raise CorruptPayload(f"{what} has no classes")
+        classes = []  # (lo, width, events, complement, r, unary bits)
+        sizes: list[int] = []
+        for lo, width in _class_ranges(starts, keymask):
+            field, offset = read_varint(block, offset, what)
+            events, complement = field >> 1, bool(field & 1)
+            r = unary_bits = 0
+            if events:
+                if events > bits.size or offset >= len(block):
+                    raise CorruptPayload(f"{what} claims {events} events in one class")
+                r = block[offset]
+                unary_bits, offset = read_varint(block, offset + 1, what)
+                if r > 31:
+                    raise CorruptPayload(f"{what} has Rice parameter {r} for a class")
+                _check_unary(unary_bits, events, bits.size >> r, what)
+                sizes += [r * -(-events // 8), -(-unary_bits // 8)]
+            classes.append((lo, width, events, complement, r, unary_bits))
+        if offset >= len(block):
+            raise CorruptPayload(f"{what} is truncated before its value mode")
+        mode = block[offset]
+        offset, values = self._value_header(
+            block, offset + 1, changed, mode, bits.dtype.itemsize, what
+        )
+        streams = self._read_streams(block, offset, sizes + values.sizes, what)
+        words = -(-bits.size // 64)
+        changed_words = np.zeros(words, np.uint64)
+        mask = np.empty(words, np.uint64)
+        at = 0
+        for lo, width, events, complement, r, unary_bits in classes:
+            if not events and not complement:
+                continue
+            class_mask(bits, keymask, lo, width, mask)
+            gaps = np.empty(0, np.uint64)
+            if events:
+                gaps = rice_decode(streams[at], streams[at + 1], unary_bits, events, r, what)
+                at += 2
+            if decode_events(mask, gaps, complement, changed_words) != OK:
+                raise CorruptPayload(f"{what} places a change past the end of its class")
+        gaps = np.empty(changed, np.uint64)
+        if mask_gaps(changed_words, gaps) != changed:
+            raise CorruptPayload(f"{what} declares {changed} changes but its classes hold others")
+        return self._apply_values(bits, gaps, values, streams[at:], what)
+
+
+def _count(words: np.ndarray) -> int:
+    """Set bits in an array of uint64 words."""
+    return int(np.bitwise_count(words).sum())
