@@ -49,16 +49,16 @@ from store.tensors import RawTensor
 TAG = 0x33  # "3"
 FORM_GAPS, FORM_CLASSES = 0, 1
 MAX_CLASSES = 12
-MAX_LIVE = 4  # classes with changes: each costs the decoder one mask pass over the block
+MAX_LIVE = 5  # classes with changes: each costs the decoder one mask pass over the block
 # Mantissa bits per float dtype: the magnitude key >> this is the biased exponent, the
 # coarsest bins the encoder groups into classes. Other dtypes are coded as sparse-v2.
 MANTISSA_BITS = {"BF16": 7, "F16": 10, "F32": 23, "F64": 52, "F8_E4M3": 3, "F8_E5M2": 2}
-_SAMPLE = 1 << 16  # elements whose classes the encoder counts per block (a strided sample)
-_LIVE_BITS_PER_ELEMENT = 1 / 1024  # a live class's mask pass, priced in bits per element
-_LIVE_HEADER_BITS = 32.0  # a live class's events, Rice parameter and unary count
-_CLASS_BITS = 24.0  # a class's threshold and event count
+_SAMPLE = 1 << 18  # elements whose classes the encoder counts per block (a strided sample)
+_LIVE_BITS_PER_ELEMENT = 1 / 8192  # a live class's mask pass, priced in bits per element
+_LIVE_HEADER_BITS = 16.0  # a live class's events, Rice parameter and unary count
+_CLASS_BITS = 16.0  # a class's threshold and event count
 _RICE_SLACK = 1.03  # Rice codes spend ~3 % over n·H2(k/n) at these densities
-_GAIN = 0.97  # write classes only when they are estimated this much smaller
+_GAIN = 1.02  # try classes unless they are estimated this much larger (then keep the smaller)
 _SURE = 0.8  # ... and skip encoding the gaps form when they are estimated this much smaller
 
 
@@ -94,7 +94,7 @@ class SparseV3Codec(SparseV2Codec):
         if plan is None:
             return self._encode_gaps_form(new, old)
         starts, ratio = plan
-        classes = self._encode_classes(new, old, starts)
+        classes = self._encode_classes(new, old, starts, shift)
         if ratio > _SURE:  # a close call: encode both and keep the smaller
             gaps_form = self._encode_gaps_form(new, old)
             if len(gaps_form) <= len(classes):
@@ -130,7 +130,9 @@ class SparseV3Codec(SparseV2Codec):
             return None
         return [int(s) << shift for s in starts[:count]], _RICE_SLACK * class_bits / gaps_bits
 
-    def _encode_classes(self, new: np.ndarray, old: np.ndarray, starts: list[int]) -> bytes:
+    def _encode_classes(
+        self, new: np.ndarray, old: np.ndarray, starts: list[int], shift: int
+    ) -> bytes:
         keymask = _keymask(new.dtype.itemsize)
         words = -(-new.size // 64)
         changed = np.empty(words, np.uint64)
@@ -145,10 +147,11 @@ class SparseV3Codec(SparseV2Codec):
         mask = np.empty(words, np.uint64)
         head = bytearray((FORM_CLASSES,))
         write_varint(k, head)
-        head.append(len(starts))
-        for lo in starts[1:]:
-            write_varint(lo, head)
-        streams: list[np.ndarray] = []
+        head += bytes((shift, len(starts)))
+        for below, lo in zip(starts, starts[1:], strict=False):
+            write_varint((lo - below) >> shift, head)
+        lows: list[np.ndarray] = []  # each class's low bits and unary bits, unpadded
+        unaries: list[np.ndarray] = []
         for (lo, width), hit in zip(_class_ranges(starts, keymask), hits.tolist(), strict=True):
             if not hit:
                 head.append(0)
@@ -157,19 +160,24 @@ class SparseV3Codec(SparseV2Codec):
             members = _count(mask)
             complement = 2 * hit > members  # code the unchanged ones: fewer, same walk
             events = members - hit if complement else hit
-            write_varint(2 * events + int(complement), head)
+            r = 0
             if events:
                 values = np.empty(events, np.uint32)
                 encode_events(mask, changed, complement, values)
                 r = rice_parameter(values, members)
                 low, unary, unary_bits = rice_encode(values, r)
-                head.append(r)
-                write_varint(unary_bits, head)
-                streams += [low, unary]
+                plane = low.reshape(r, -1) if r else low.reshape(0, 1)
+                lows += [np.unpackbits(row)[:events] for row in plane]
+                unaries.append(np.unpackbits(unary)[:unary_bits])
+            # Rice r in the low 5 bits, the complement flag, then the event count; no unary
+            # bit count per class: a class's codes end at its events-th one bit.
+            write_varint(events << 6 | int(complement) << 5 | r, head)
+        write_varint(sum(u.size for u in unaries), head)
         mode, fields, value_streams = self._value_part(new_values, old_values)
         head.append(mode)
         head += fields
-        return self._finish_block(head, [*streams, *value_streams])
+        joined = [np.packbits(np.concatenate([np.empty(0, np.uint8), *part])) for part in (lows, unaries)]
+        return self._finish_block(head, [*joined, *value_streams])
 
     def _block_changes(self, block: bytes) -> int:
         return read_varint(block, 1, "block")[0]
@@ -186,58 +194,71 @@ class SparseV3Codec(SparseV2Codec):
         changed, offset = read_varint(block, 1, what)
         if not 0 < changed <= bits.size or offset >= len(block):
             raise CorruptPayload(f"{what} claims {changed} changes in {bits.size} elements")
-        count = block[offset]
-        offset += 1
+        if offset + 2 > len(block):
+            raise CorruptPayload(f"{what} is truncated in its class table")
+        shift, count = block[offset], block[offset + 1]
+        offset += 2
         keymask = _keymask(bits.dtype.itemsize)
+        if not 1 <= count <= MAX_CLASSES or shift >= 8 * bits.dtype.itemsize:
+            raise CorruptPayload(f"{what} has {count} classes with key shift {shift}")
         starts = [0]
         for _ in range(count - 1):
-            lo, offset = read_varint(block, offset, what)
+            step, offset = read_varint(block, offset, what)
+            lo = starts[-1] + (step << shift)
             if not starts[-1] < lo <= keymask:
                 raise CorruptPayload(f"{what} has class thresholds out of order ({lo})")
             starts.append(lo)
-        if count == 0:
-            raise CorruptPayload(f"{what} has no classes")
-        classes = []  # (lo, width, events, complement, r, unary bits)
-        sizes: list[int] = []
+        classes = []  # (lo, width, events, complement, r)
+        low_bits = total_events = unary_bound = 0
         for lo, width in _class_ranges(starts, keymask):
             field, offset = read_varint(block, offset, what)
-            events, complement = field >> 1, bool(field & 1)
-            r = unary_bits = 0
-            if events:
-                if events > bits.size or offset >= len(block):
-                    raise CorruptPayload(f"{what} claims {events} events in one class")
-                r = block[offset]
-                unary_bits, offset = read_varint(block, offset + 1, what)
-                if r > 31:
-                    raise CorruptPayload(f"{what} has Rice parameter {r} for a class")
-                _check_unary(unary_bits, events, bits.size >> r, what)
-                sizes += [r * -(-events // 8), -(-unary_bits // 8)]
-            classes.append((lo, width, events, complement, r, unary_bits))
+            events, complement, r = field >> 6, bool(field >> 5 & 1), field & 31
+            if events > bits.size:
+                raise CorruptPayload(f"{what} claims {events} events in one class")
+            low_bits += r * events
+            total_events += events
+            unary_bound += bits.size >> r
+            classes.append((lo, width, events, complement, r))
+        unary_bits, offset = read_varint(block, offset, what)
+        _check_unary(unary_bits, total_events, unary_bound, what)
         if offset >= len(block):
             raise CorruptPayload(f"{what} is truncated before its value mode")
         mode = block[offset]
         offset, values = self._value_header(
             block, offset + 1, changed, mode, bits.dtype.itemsize, what
         )
+        sizes = [-(-low_bits // 8), -(-unary_bits // 8)]
         streams = self._read_streams(block, offset, sizes + values.sizes, what)
+        low_stream = np.unpackbits(streams[0])
+        unary_stream = np.unpackbits(streams[1])[:unary_bits]
+        ends = np.flatnonzero(unary_stream) + 1  # where each class's codes end
+        if ends.size != total_events:
+            raise CorruptPayload(f"{what}: its unary stream does not hold {total_events} codes")
         words = -(-bits.size // 64)
         changed_words = np.zeros(words, np.uint64)
         mask = np.empty(words, np.uint64)
-        at = 0
-        for lo, width, events, complement, r, unary_bits in classes:
+        low_at = unary_at = decoded = 0
+        for lo, width, events, complement, r in classes:
             if not events and not complement:
                 continue
             class_mask(bits, keymask, lo, width, mask)
             gaps = np.empty(0, np.uint64)
             if events:
-                gaps = rice_decode(streams[at], streams[at + 1], unary_bits, events, r, what)
-                at += 2
+                # This class's planes and unary bits, padded back to whole bytes each.
+                plane = low_stream[low_at : low_at + r * events].reshape(r, events)
+                low = np.packbits(plane, axis=1).reshape(-1)
+                decoded += events
+                end = int(ends[decoded - 1])
+                unary = np.packbits(unary_stream[unary_at:end])
+                gaps = rice_decode(low, unary, end - unary_at, events, r, what)
+                low_at += r * events
+                unary_at = end
             if decode_events(mask, gaps, complement, changed_words) != OK:
                 raise CorruptPayload(f"{what} places a change past the end of its class")
         gaps = np.empty(changed, np.uint64)
         if mask_gaps(changed_words, gaps) != changed:
             raise CorruptPayload(f"{what} declares {changed} changes but its classes hold others")
-        return self._apply_values(bits, gaps, values, streams[at:], what)
+        return self._apply_values(bits, gaps, values, streams[2:], what)
 
 
 def _count(words: np.ndarray) -> int:
