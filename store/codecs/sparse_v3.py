@@ -47,7 +47,7 @@ from store.errors import CorruptPayload
 from store.tensors import RawTensor
 
 TAG = 0x33  # "3"
-FORM_GAPS, FORM_CLASSES = 0, 1
+FORM_GAPS = 0  # a block's first byte: 0 = a sparse-v2 block follows, else its class count
 MAX_CLASSES = 12
 MAX_LIVE = 5  # classes with changes: each costs the decoder one mask pass over the block
 # Mantissa bits per float dtype: the magnitude key >> this is the biased exponent, the
@@ -145,9 +145,9 @@ class SparseV3Codec(SparseV2Codec):
         keys = (old_values & old_values.dtype.type(keymask)).astype(np.int64)
         hits = np.bincount(np.searchsorted(starts, keys, side="right") - 1, minlength=len(starts))
         mask = np.empty(words, np.uint64)
-        head = bytearray((FORM_CLASSES,))
+        head = bytearray((len(starts),))  # the form byte: how many classes
         write_varint(k, head)
-        head += bytes((shift, len(starts)))
+        head.append(shift)
         for below, lo in zip(starts, starts[1:], strict=False):
             write_varint((lo - below) >> shift, head)
         lows: list[np.ndarray] = []  # each class's low bits and unary bits, unpadded
@@ -189,18 +189,17 @@ class SparseV3Codec(SparseV2Codec):
             raise CorruptPayload(f"{what} is {len(block)} bytes: no form byte and count")
         if block[0] == FORM_GAPS:
             return super()._apply_block(bits, block[1:], what)
-        if block[0] != FORM_CLASSES:
-            raise CorruptPayload(f"{what} has position form {block[0]}, expected 0 or 1")
+        count = block[0]
+        if count > MAX_CLASSES:
+            raise CorruptPayload(f"{what} has position form {count}, expected 0-{MAX_CLASSES}")
         changed, offset = read_varint(block, 1, what)
         if not 0 < changed <= bits.size or offset >= len(block):
             raise CorruptPayload(f"{what} claims {changed} changes in {bits.size} elements")
-        if offset + 2 > len(block):
-            raise CorruptPayload(f"{what} is truncated in its class table")
-        shift, count = block[offset], block[offset + 1]
-        offset += 2
+        shift = block[offset]
+        offset += 1
         keymask = _keymask(bits.dtype.itemsize)
-        if not 1 <= count <= MAX_CLASSES or shift >= 8 * bits.dtype.itemsize:
-            raise CorruptPayload(f"{what} has {count} classes with key shift {shift}")
+        if shift >= 8 * bits.dtype.itemsize:
+            raise CorruptPayload(f"{what} has class key shift {shift}")
         starts = [0]
         for _ in range(count - 1):
             step, offset = read_varint(block, offset, what)
