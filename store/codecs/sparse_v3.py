@@ -41,8 +41,15 @@ from store.codecs.class_kernels import (
     key_counts,
     mask_gaps,
 )
-from store.codecs.sparse_kernels import gather_changes
-from store.codecs.sparse_v2 import SparseV2Codec, _check_unary
+from store.codecs.sparse import join_planes
+from store.codecs.sparse_kernels import apply_steps, gather_changes
+from store.codecs.sparse_v2 import (
+    VALUES_STEP,
+    VALUES_XOR,
+    SparseV2Codec,
+    _check_unary,
+    _ValueHeader,
+)
 from store.errors import CorruptPayload
 from store.tensors import RawTensor
 
@@ -141,7 +148,10 @@ class SparseV3Codec(SparseV2Codec):
         new_values, old_values = np.empty(k, new.dtype), np.empty(k, old.dtype)
         gather_changes(new, old, changed, np.empty(k, np.uint32), new_values, old_values)
         # Changes per class from the changed elements alone: classes without any cost one
-        # byte and no pass over the block.
+        # byte and no pass over the block. Values are stored class by class: a class's
+        # steps are alike (small values move by more ulps), so their magnitudes code smaller.
+        by_class_new: list[np.ndarray] = []
+        by_class_old: list[np.ndarray] = []
         keys = (old_values & old_values.dtype.type(keymask)).astype(np.int64)
         hits = np.bincount(np.searchsorted(starts, keys, side="right") - 1, minlength=len(starts))
         mask = np.empty(words, np.uint64)
@@ -157,6 +167,10 @@ class SparseV3Codec(SparseV2Codec):
                 head.append(0)
                 continue
             class_mask(old, keymask, lo, width, mask)
+            class_new, class_old = np.empty(hit, new.dtype), np.empty(hit, old.dtype)
+            gather_changes(new, old, changed & mask, np.empty(hit, np.uint32), class_new, class_old)
+            by_class_new.append(class_new)
+            by_class_old.append(class_old)
             members = _count(mask)
             complement = 2 * hit > members  # code the unchanged ones: fewer, same walk
             events = members - hit if complement else hit
@@ -173,7 +187,9 @@ class SparseV3Codec(SparseV2Codec):
             # bit count per class: a class's codes end at its events-th one bit.
             write_varint(events << 6 | int(complement) << 5 | r, head)
         write_varint(sum(u.size for u in unaries), head)
-        mode, fields, value_streams = self._value_part(new_values, old_values)
+        mode, fields, value_streams = self._value_part(
+            np.concatenate(by_class_new), np.concatenate(by_class_old)
+        )
         head.append(mode)
         head += fields
         joined = [np.packbits(np.concatenate([np.empty(0, np.uint8), *part])) for part in (lows, unaries)]
@@ -236,6 +252,7 @@ class SparseV3Codec(SparseV2Codec):
         words = -(-bits.size // 64)
         changed_words = np.zeros(words, np.uint64)
         mask = np.empty(words, np.uint64)
+        per_class: list[np.ndarray] = []  # each class's changes, as bits
         low_at = unary_at = decoded = 0
         for lo, width, events, complement, r in classes:
             if not events and not complement:
@@ -252,12 +269,73 @@ class SparseV3Codec(SparseV2Codec):
                 gaps = rice_decode(low, unary, end - unary_at, events, r, what)
                 low_at += r * events
                 unary_at = end
-            if decode_events(mask, gaps, complement, changed_words) != OK:
+            own = np.zeros(words, np.uint64)
+            if decode_events(mask, gaps, complement, own) != OK:
                 raise CorruptPayload(f"{what} places a change past the end of its class")
+            per_class.append(own)
+            changed_words |= own
         gaps = np.empty(changed, np.uint64)
         if mask_gaps(changed_words, gaps) != changed:
             raise CorruptPayload(f"{what} declares {changed} changes but its classes hold others")
-        return self._apply_values(bits, gaps, values, streams[2:], what)
+        self._apply_class_values(bits, per_class, changed, values, streams[2:], what)
+        positions: np.ndarray = np.cumsum(gaps.view(np.int64) + 1) - 1
+        return positions
+
+    def _apply_class_values(
+        self,
+        bits: np.ndarray,
+        per_class: list[np.ndarray],
+        changed: int,
+        header: _ValueHeader,
+        streams: list[np.ndarray],
+        what: str,
+    ) -> None:
+        """Patch the changes, whose values come class by class (each class's in element
+        order), one class at a time."""
+        width = bits.dtype.itemsize
+        gaps = []
+        for own in per_class:
+            class_gaps = np.empty(_count(own), np.uint64)
+            mask_gaps(own, class_gaps)
+            gaps.append(class_gaps)
+        if header.mode != VALUES_STEP:
+            positions = np.concatenate([np.cumsum(g.view(np.int64) + 1) - 1 for g in gaps])
+            values = join_planes(streams, width)
+            if header.mode == VALUES_XOR:
+                bits[positions] ^= values
+            else:
+                bits[positions] = values
+            return
+        signs = np.unpackbits(streams[0])[:changed]
+        index = magnitude = np.empty(0, np.uint64)
+        if header.nonzero:
+            at = rice_decode(
+                streams[1], streams[2], header.gap_bits, header.nonzero, header.r_gap, what
+            )
+            magnitude = rice_decode(
+                streams[3], streams[4], header.value_bits, header.nonzero, header.r_value, what
+            )
+            index = np.cumsum(at) + np.arange(1, at.size + 1, dtype=np.uint64) - np.uint64(1)
+            if int(at.max()) >= changed or int(index[-1]) >= changed:
+                raise CorruptPayload(f"{what} places a magnitude past its last change")
+        start = 0
+        for class_gaps in gaps:
+            stop = start + class_gaps.size
+            lo, hi = np.searchsorted(index, [start, stop])
+            local = index[lo:hi] - np.uint64(start)
+            at_class = np.diff(local, prepend=np.uint64(0))
+            at_class[1:] -= np.uint64(1)
+            error = apply_steps(
+                bits,
+                class_gaps,
+                np.packbits(signs[start:stop]),
+                at_class,
+                magnitude[lo:hi],
+                8 * width,
+            )
+            if error != OK:
+                raise CorruptPayload(f"{what} places a change or magnitude out of its class")
+            start = stop
 
 
 def _count(words: np.ndarray) -> int:
