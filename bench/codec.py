@@ -262,6 +262,12 @@ def warm_up() -> None:
         target = {"w": RawTensor(dtype, (4096,), data)}
         files = encode_version(target, base, version=1, base_version=0, codec="sparse")
         fold(base, [files])
+    # And sparse-v3's class form: changes only where the base is small.
+    bits = np.arange(0x3000, 0x4000, dtype=np.uint16)
+    moved = np.where(bits < 0x3400, bits + np.uint16(1), bits).astype(np.uint16)
+    base = {"w": RawTensor("BF16", (bits.size,), bits.view(np.uint8))}
+    target = {"w": RawTensor("BF16", (bits.size,), moved.view(np.uint8))}
+    fold(base, [encode_version(target, base, version=1, base_version=0, codec="sparse")])
 
 
 def _cpu(fn: Callable[[], T], repeats: int = 1) -> tuple[T, float]:

@@ -332,7 +332,9 @@ class SparseV2Codec:
         if mode == VALUES_STEP:
             at = magnitude = np.empty(0, dtype=np.uint64)
             if nonzero:
-                at = rice_decode(streams[1], streams[2], header.gap_bits, nonzero, header.r_gap, what)
+                at = rice_decode(
+                    streams[1], streams[2], header.gap_bits, nonzero, header.r_gap, what
+                )
                 magnitude = rice_decode(
                     streams[3], streams[4], header.value_bits, nonzero, header.r_value, what
                 )

@@ -20,6 +20,7 @@ but the arrays it is given.
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import pairwise
 
 import numpy as np
 
@@ -59,7 +60,7 @@ MAX_CLASSES = 12
 MAX_LIVE = 5  # classes with changes: each costs the decoder one mask pass over the block
 # Mantissa bits per float dtype: the magnitude key >> this is the biased exponent, the
 # coarsest bins the encoder groups into classes. Other dtypes are coded as sparse-v2.
-MANTISSA_BITS = {"BF16": 7, "F16": 10, "F32": 23, "F64": 52, "F8_E4M3": 3, "F8_E5M2": 2}
+MANTISSA_BITS = {"BF16": 7, "F16": 10, "F32": 23, "F8_E4M3": 3, "F8_E5M2": 2}
 _SAMPLE = 1 << 18  # elements whose classes the encoder counts per block (a strided sample)
 _LIVE_BITS_PER_ELEMENT = 1 / 8192  # a live class's mask pass, priced in bits per element
 _LIVE_HEADER_BITS = 16.0  # a live class's events, Rice parameter and unary count
@@ -145,6 +146,8 @@ class SparseV3Codec(SparseV2Codec):
         changed = np.empty(words, np.uint64)
         changed_mask(new, old, changed)
         k = _count(changed)
+        if k == 0:
+            return bytes((FORM_GAPS, 0))  # an unchanged block is one count either way
         new_values, old_values = np.empty(k, new.dtype), np.empty(k, old.dtype)
         gather_changes(new, old, changed, np.empty(k, np.uint32), new_values, old_values)
         # Changes per class from the changed elements alone: classes without any cost one
@@ -158,7 +161,7 @@ class SparseV3Codec(SparseV2Codec):
         head = bytearray((len(starts),))  # the form byte: how many classes
         write_varint(k, head)
         head.append(shift)
-        for below, lo in zip(starts, starts[1:], strict=False):
+        for below, lo in pairwise(starts):
             write_varint((lo - below) >> shift, head)
         lows: list[np.ndarray] = []  # each class's low bits and unary bits, unpadded
         unaries: list[np.ndarray] = []
@@ -192,7 +195,9 @@ class SparseV3Codec(SparseV2Codec):
         )
         head.append(mode)
         head += fields
-        joined = [np.packbits(np.concatenate([np.empty(0, np.uint8), *part])) for part in (lows, unaries)]
+        joined = [
+            np.packbits(np.concatenate([np.empty(0, np.uint8), *part])) for part in (lows, unaries)
+        ]
         return self._finish_block(head, [*joined, *value_streams])
 
     def _block_changes(self, block: bytes) -> int:

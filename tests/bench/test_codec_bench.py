@@ -11,7 +11,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_codec_bench_prints_its_figures_as_the_last_json_line():
-    """A density case and one real-gradient step (with its FP8 and NVFP4 views), tiny."""
+    """A uniform and an update-rule density case and one real-gradient step (with its FP8
+    and NVFP4 views), tiny."""
     done = subprocess.run(
         [sys.executable, "-m", "bench.codec", "--params", "2e5", "--densities", "0.01",
          "--warmup-steps", "1", "--rl-lrs", "1e-6", "--rl-steps", "1", "--repeats", "1"],
@@ -31,11 +32,15 @@ def test_codec_bench_prints_its_figures_as_the_last_json_line():
         "convert_fp8_gb_s",
         "convert_nvfp4_gb_s",
         "params",
+        "uniform_worst_sparse_over_xor",
     ):
         assert figures[key] > 0, key
     assert figures["worst_sparse_over_xor"] < 1.0
     kinds = [case["kind"] for case in figures["cases"]]
-    assert kinds == ["density", "real-bf16", "real-fp8", "real-nvfp4"]
+    assert kinds == ["density", "update", "real-bf16", "real-fp8", "real-nvfp4"]
+    # The xor target is over the update-rule and real cases; the uniform one is apart.
+    assert figures["worst_sparse_over_xor_cases"] == ["update 1%", "bf16 lr1e-06 s1"]
+    assert 0 < figures["uniform_worst_sparse_over_xor"] < 1.0
     assert set(figures["stages_gb_s_per_core"]) == {
         "fetch_gb_s",
         "fold_verify_gb_s",

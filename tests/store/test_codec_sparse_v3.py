@@ -1,0 +1,244 @@
+"""`sparse-v3`: positions coded within classes of the base value's magnitude round-trip bit
+for bit on any input, are smaller than sparse-v2 where changes depend on magnitude, fall back
+to sparse-v2 blocks where they do not, and older encodings still fold."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from store.codecs import encode_version, fold, workers
+from store.codecs.delta import encode_delta
+from store.codecs.fold import read_manifest
+from store.codecs.sparse_v2 import SparseV2Codec
+from store.codecs.sparse_v3 import FORM_GAPS, SparseV3Codec
+from store.errors import ChecksumMismatch, CorruptPayload
+from store.tensors import RawTensor
+from tests.store.tensor_cases import raw_tensors, successors
+
+SMALL_BLOCKS = SparseV3Codec(block_log2=8)  # 256-element blocks: every test spans several
+BF16_SPECIAL = [0x0000, 0x8000, 0x7F80, 0xFF80, 0x7FC0, 0xFFC1, 0x0001, 0x8001, 0x7F7F]
+
+
+class ForcedClasses(SparseV3Codec):
+    """Writes every changed block in the class form, classes starting at the given exponent
+    bins (those the dtype has), so the class path is exercised on inputs the encoder would
+    code as sparse-v2."""
+
+    def __init__(self, bins: list[int], block_log2: int = 8) -> None:
+        super().__init__(block_log2=block_log2)
+        self._bins = bins
+
+    def _plan_classes(self, new, old, shift):
+        keymask = (1 << (8 * new.dtype.itemsize - 1)) - 1
+        starts = {0} | {b << shift for b in self._bins if b << shift <= keymask}
+        return sorted(starts), 0.0
+
+
+def bf16_tensor(bits: np.ndarray) -> RawTensor:
+    return RawTensor("BF16", (bits.size,), bits.astype(np.uint16).view(np.uint8))
+
+
+def as_bf16(values: np.ndarray) -> np.ndarray:
+    bits = values.astype(np.float32).view(np.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def adam_like_step(size: int, lr: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(base, target) BF16 bits: Gaussian weights, each moved by about lr, so small values
+    change and large ones do not, as in a real optimizer step."""
+    rng = np.random.default_rng(seed)
+    weights = rng.normal(0.0, 0.02, size).astype(np.float32)
+    base = as_bf16(weights)
+    values = (base.astype(np.uint32) << 16).view(np.float32)
+    step = np.clip(rng.normal(0.0, 1.0, size), -1, 1).astype(np.float32)
+    return base, as_bf16(values + np.float32(lr) * step)
+
+
+def round_trip(codec: SparseV3Codec, new: RawTensor, old: RawTensor) -> np.ndarray:
+    payload = codec.encode_tensor(new, old)
+    out = old.data.copy()
+    if payload is not None:
+        changed = codec.apply_into(out, payload, new.itemsize, "t")
+        # It reports exactly the elements that differ, in order.
+        assert changed.tolist() == np.flatnonzero(new.bits() != old.bits()).tolist()
+    return out
+
+
+def block_forms(payload: np.ndarray, block_log2: int, count: int) -> list[int]:
+    """The form byte of each block (0 = sparse-v2 gaps, else the class count)."""
+    raw = bytes(payload)
+    offset = 3
+    for _ in range(2):  # n, k
+        while raw[offset] & 0x80:
+            offset += 1
+        offset += 1
+    lengths = []
+    for _ in range(-(-count >> block_log2) - 1):
+        value = shift = 0
+        while True:
+            byte = raw[offset]
+            offset += 1
+            value |= (byte & 0x7F) << shift
+            shift += 7
+            if not byte & 0x80:
+                break
+        lengths.append(value)
+    forms = []
+    for length in [*lengths, None]:
+        forms.append(raw[offset])
+        offset += length or 0
+    return forms
+
+
+@pytest.mark.parametrize("lr", [1e-7, 1e-6, 1e-5])
+def test_magnitude_dependent_changes_take_the_class_form_and_cost_less_than_sparse_v2(lr):
+    base, new = adam_like_step(1 << 16, lr, 1)
+    target, old = bf16_tensor(new), bf16_tensor(base)
+    v3 = SparseV3Codec().encode_tensor(target, old)
+    v2 = SparseV2Codec().encode_tensor(target, old)
+    assert block_forms(v3, 22, base.size) != [FORM_GAPS]
+    assert v3.size < 0.9 * v2.size
+    assert np.array_equal(round_trip(SparseV3Codec(), target, old), target.data)
+    assert np.array_equal(round_trip(SMALL_BLOCKS, target, old), target.data)
+
+
+def test_uniform_changes_stay_sparse_v2_blocks_at_one_byte_more():
+    rng = np.random.default_rng(2)
+    base = as_bf16(rng.normal(0.0, 0.02, 1 << 16))
+    new = base.copy()
+    where = rng.random(base.size) < 0.01
+    new[where] += np.where(rng.random(int(where.sum())) < 0.5, 1, 65535).astype(np.uint16)
+    v3 = SparseV3Codec().encode_tensor(bf16_tensor(new), bf16_tensor(base))
+    v2 = SparseV2Codec().encode_tensor(bf16_tensor(new), bf16_tensor(base))
+    assert block_forms(v3, 22, base.size) == [FORM_GAPS]
+    assert v3.size == v2.size + 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_any_dtype_and_shape_round_trips(data):
+    old = data.draw(raw_tensors())
+    new = data.draw(successors(old))
+    assert np.array_equal(round_trip(SMALL_BLOCKS, new, old), new.data)
+    bins = data.draw(st.lists(st.integers(1, 255), max_size=4, unique=True))
+    forced = ForcedClasses(bins)
+    if old.dtype != "U8":  # U8 has no magnitude classes: always sparse-v2 blocks
+        assert np.array_equal(round_trip(forced, new, old), new.data)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(st.sampled_from(BF16_SPECIAL) | st.integers(0, 2**16 - 1), min_size=1, max_size=700),
+    st.lists(st.integers(0, 699), max_size=300),
+    st.sampled_from([1, 2, 65535, 0x8000, 0x7FFF, 0x4000]),
+    st.lists(st.integers(1, 255), max_size=6, unique=True),
+)
+def test_class_form_round_trips_any_classes_and_bases(values, positions, delta, bins):
+    """NaN, ±inf, ±0 and subnormal bases; changes at both ends, in runs, crossing zero; any
+    class table, including classes with no elements, one class holding everything, and
+    classes where most elements change (coded by their unchanged ones)."""
+    old = np.array(values, dtype=np.uint16)
+    new = old.copy()
+    where = np.array([p for p in positions if p < old.size], dtype=np.int64)
+    new[where] = (new[where] + np.uint16(delta)).astype(np.uint16)
+    new[0] ^= 0x0001
+    new[-1] = 0xFFC1 if old[-1] != 0xFFC1 else 0x8000  # a NaN payload or -0.0 at the end
+    target, base = bf16_tensor(new), bf16_tensor(old)
+    for codec in (ForcedClasses(bins), ForcedClasses([]), ForcedClasses([0xFF])):
+        assert np.array_equal(round_trip(codec, target, base), target.data)
+
+
+@pytest.mark.parametrize("size", [1, 2, 63, 64, 65, 255, 256, 257])
+def test_tiny_tensors_and_word_edges_round_trip(size):
+    rng = np.random.default_rng(size)
+    old = as_bf16(rng.normal(0, 1e-3, size))
+    for where in ([0], [size - 1], list(range(size))):
+        new = old.copy()
+        new[where] += np.uint16(1)
+        target, base = bf16_tensor(new), bf16_tensor(old)
+        for codec in (SparseV3Codec(), ForcedClasses([]), ForcedClasses([116, 118])):
+            assert np.array_equal(round_trip(codec, target, base), target.data)
+
+
+def test_a_class_where_every_element_changes_costs_no_positions():
+    """Elements below 1e-4 all change, the rest never: the classes say it all."""
+    rng = np.random.default_rng(5)
+    old = as_bf16(np.where(rng.random(1 << 14) < 0.3, 1e-6, 0.5) * rng.choice([-1, 1], 1 << 14))
+    new = np.where((old & 0x7FFF) < 0x3800, old + np.uint16(1), old).astype(np.uint16)
+    target, base = bf16_tensor(new), bf16_tensor(old)
+    payload = SparseV3Codec().encode_tensor(target, base)
+    changes = int((new != old).sum())
+    assert payload.size < 40 + changes / 8  # headers plus one sign bit per change
+    assert np.array_equal(round_trip(SparseV3Codec(), target, base), target.data)
+
+
+def test_the_sparse_codec_writes_sparse_v3_and_threads_do_not_change_the_bytes():
+    base_bits, new_bits = adam_like_step((1 << 22) + 1000, 1e-6, 4)  # two blocks
+    base, target = {"w": bf16_tensor(base_bits)}, {"w": bf16_tensor(new_bits)}
+    try:
+        workers.set_threads(1)
+        one = encode_version(target, base, version=1, base_version=0, codec="sparse")
+        workers.set_threads(2)
+        two = encode_version(target, base, version=1, base_version=0, codec="sparse")
+        assert one == two
+        assert read_manifest(one).delta_encoding == "sparse-v3"
+        assert np.array_equal(fold(base, [two])["w"].data, target["w"].data)
+    finally:
+        workers.set_threads(2)
+
+
+def test_versions_published_as_sparse_v2_still_fold():
+    base_bits, middle_bits = adam_like_step(5000, 1e-5, 6)
+    base, middle = {"w": bf16_tensor(base_bits)}, {"w": bf16_tensor(middle_bits)}
+    target = {"w": bf16_tensor(middle_bits + np.uint16(1))}
+    old = encode_delta(SparseV2Codec(), middle, base, version=1, base_version=0, shard_bytes=2**30)
+    new = encode_version(target, middle, version=2, base_version=1, codec="sparse")
+    assert read_manifest(old).delta_encoding == "sparse-v2"
+    assert read_manifest(new).delta_encoding == "sparse-v3"
+    assert np.array_equal(fold(base, [old, new])["w"].data, target["w"].data)
+
+
+def class_payload() -> tuple[np.ndarray, RawTensor, RawTensor]:
+    base, new = adam_like_step(700, 3e-5, 9)
+    old, target = bf16_tensor(base), bf16_tensor(new)
+    payload = SMALL_BLOCKS.encode_tensor(target, old)
+    assert FORM_GAPS not in block_forms(payload, 8, 700)
+    return payload, target, old
+
+
+def test_every_truncation_of_a_class_payload_is_refused():
+    payload, _new, old = class_payload()
+    for cut in range(payload.size):
+        with pytest.raises(CorruptPayload):
+            SMALL_BLOCKS.apply_into(old.data.copy(), payload[:cut], 2, "t")
+
+
+def test_byte_flips_in_a_class_payload_are_refused_or_left_to_the_checksum():
+    """Nothing but CorruptPayload escapes the decoder; most flips are refused outright."""
+    payload, new, old = class_payload()
+    refused = wrong = 0
+    for at in range(payload.size):
+        bad = payload.copy()
+        bad[at] ^= 0x55
+        out = old.data.copy()
+        try:
+            SMALL_BLOCKS.apply_into(out, bad, 2, "t")
+        except CorruptPayload:
+            refused += 1
+            continue
+        wrong += not np.array_equal(out, new.data)
+    assert refused > payload.size // 4
+    assert refused + wrong > payload.size // 2
+
+
+def test_a_corrupt_class_version_never_returns_tensors():
+    _payload, new, old = class_payload()
+    files = encode_version({"t": new}, {"t": old}, version=1, base_version=0, codec="sparse")
+    shard = next(name for name in files if name.endswith(".safetensors"))
+    body = bytearray(files[shard])
+    body[-3] ^= 0xFF
+    with pytest.raises((CorruptPayload, ChecksumMismatch)):
+        fold({"t": old}, [{**files, shard: bytes(body)}])
