@@ -154,22 +154,13 @@ def _mask_gaps_py(words: np.ndarray, gaps: np.ndarray) -> int:
 
 
 def _key_counts_py(
-    new: np.ndarray,
-    old: np.ndarray,
-    keymask: int,
-    shift: int,
-    stride: int,
-    elements: np.ndarray,
-    changes: np.ndarray,
+    bits: np.ndarray, keymask: int, shift: int, stride: int, counts: np.ndarray
 ) -> None:
-    """Per bin (old & keymask) >> shift, over every `stride`-th element: how many elements
-    and how many changed."""
+    """counts[b] += 1 for the bin b = (x & keymask) >> shift of every `stride`-th element."""
     km = np.uint64(keymask)
     sh = np.uint64(shift)
-    for i in range(0, new.size, stride):
-        b = (np.uint64(old[i]) & km) >> sh
-        elements[b] += 1
-        changes[b] += new[i] != old[i]
+    for i in range(0, bits.size, stride):
+        counts[(np.uint64(bits[i]) & km) >> sh] += 1
 
 
 def _h2_bits(n: float, k: float) -> float:

@@ -157,13 +157,18 @@ class SparseV2Codec:
         return streams
 
     def _encode_block(self, new: np.ndarray, old: np.ndarray) -> bytes:
-        gaps, new_values, old_values = _changes(new, old)
+        return self._encode_changes(new.size, *_changes(new, old))
+
+    def _encode_changes(
+        self, size: int, gaps: np.ndarray, new_values: np.ndarray, old_values: np.ndarray
+    ) -> bytes:
+        """A block of `size` elements from its changes (`_changes`)."""
         changed = int(gaps.size)
         head = bytearray()
         write_varint(changed, head)
         if changed == 0:
             return bytes(head)
-        r = rice_parameter(gaps, int(new.size))
+        r = rice_parameter(gaps, size)
         low, unary, unary_bits = rice_encode(gaps, r)
         mode, fields, value_streams = self._value_part(new_values, old_values)
         head += bytes((mode, r))

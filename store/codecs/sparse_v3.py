@@ -48,6 +48,7 @@ from store.codecs.sparse_v2 import (
     VALUES_STEP,
     VALUES_XOR,
     SparseV2Codec,
+    _changes,
     _check_unary,
     _ValueHeader,
 )
@@ -61,7 +62,7 @@ MAX_LIVE = 5  # classes with changes: each costs the decoder one mask pass over 
 # Mantissa bits per float dtype: the magnitude key >> this is the biased exponent, the
 # coarsest bins the encoder groups into classes. Other dtypes are coded as sparse-v2.
 MANTISSA_BITS = {"BF16": 7, "F16": 10, "F32": 23, "F8_E4M3": 3, "F8_E5M2": 2}
-_SAMPLE = 1 << 18  # elements whose classes the encoder counts per block (a strided sample)
+_SAMPLE = 1 << 14  # base elements whose exponents the encoder counts per block (strided)
 _LIVE_BITS_PER_ELEMENT = 1 / 8192  # a live class's mask pass, priced in bits per element
 _LIVE_HEADER_BITS = 16.0  # a live class's events, Rice parameter and unary count
 _CLASS_BITS = 16.0  # a class's threshold and event count
@@ -98,40 +99,44 @@ class SparseV3Codec(SparseV2Codec):
 
     def _encode_either_form(self, new: np.ndarray, old: np.ndarray, shift: int) -> bytes:
         """The class form where it is estimated, and measured, to be smaller; else gaps."""
-        plan = self._plan_classes(new, old, shift)
+        changes = _changes(new, old)
+        plan = self._plan_classes(old, changes[2], shift)
         if plan is None:
-            return self._encode_gaps_form(new, old)
+            return bytes((FORM_GAPS,)) + self._encode_changes(new.size, *changes)
         starts, ratio = plan
         classes = self._encode_classes(new, old, starts, shift)
         if ratio > _SURE:  # a close call: encode both and keep the smaller
-            gaps_form = self._encode_gaps_form(new, old)
+            gaps_form = bytes((FORM_GAPS,)) + self._encode_changes(new.size, *changes)
             if len(gaps_form) <= len(classes):
                 return gaps_form
         return classes
 
     def _plan_classes(
-        self, new: np.ndarray, old: np.ndarray, shift: int
+        self, old: np.ndarray, old_values: np.ndarray, shift: int
     ) -> tuple[list[int], float] | None:
         """(the classes' first keys, estimated class bits / gap bits) if classes are
-        estimated to save bytes, else None."""
-        keymask = _keymask(new.dtype.itemsize)
+        estimated to save bytes, else None. Elements per exponent come from a strided
+        sample of the base, changes per exponent from the changed elements themselves."""
+        if not old_values.size:
+            return None
+        keymask = _keymask(old.dtype.itemsize)
         bins = (keymask >> shift) + 1
         elements = np.zeros(bins, np.int64)
         changes = np.zeros(bins, np.int64)
-        stride = max(1, new.size // _SAMPLE)
-        key_counts(new, old, keymask, shift, stride, elements, changes)
-        n, k = float(elements.sum()), float(changes.sum())
-        if k == 0:
-            return None
+        key_counts(old, keymask, shift, max(1, old.size // _SAMPLE), elements)
+        key_counts(old_values, keymask, shift, 1, changes)
+        n, k = float(old.size), float(old_values.size)
+        # Scaled to the block; a bin holds at least its changes.
+        estimated = np.maximum(elements * (n / max(1, int(elements.sum()))), changes)
         gaps_bits = _RICE_SLACK * h2_bits(n, k)
         starts = np.zeros(MAX_CLASSES, np.int64)
         count, class_bits = choose_classes(
-            elements.astype(np.float64),
+            estimated,
             changes.astype(np.float64),
             MAX_CLASSES,
             MAX_LIVE,
-            _LIVE_HEADER_BITS / stride + _LIVE_BITS_PER_ELEMENT * n,
-            _CLASS_BITS / stride,
+            _LIVE_HEADER_BITS + _LIVE_BITS_PER_ELEMENT * n,
+            _CLASS_BITS,
             starts,
         )
         if count < 2 or _RICE_SLACK * class_bits >= _GAIN * gaps_bits:

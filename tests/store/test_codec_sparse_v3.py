@@ -31,8 +31,8 @@ class ForcedClasses(SparseV3Codec):
         super().__init__(block_log2=block_log2)
         self._bins = bins
 
-    def _plan_classes(self, new, old, shift):
-        keymask = (1 << (8 * new.dtype.itemsize - 1)) - 1
+    def _plan_classes(self, old, old_values, shift):
+        keymask = (1 << (8 * old.dtype.itemsize - 1)) - 1
         starts = {0} | {b << shift for b in self._bins if b << shift <= keymask}
         return sorted(starts), 0.0
 
