@@ -18,13 +18,11 @@ from store.codecs.sparse_kernels import RICE_SAMPLE, change_mask
 from store.codecs.sparse_v2 import SparseV2Codec
 from store.errors import ChecksumMismatch, CorruptPayload
 from store.tensors import RawTensor
+from tests.store.codec_round_trip import bf16_tensor, round_trip
+from tests.store.payload_damage import assert_every_truncation_refused, flip_outcomes
 from tests.store.tensor_cases import raw_tensors, successors
 
 SMALL_BLOCKS = SparseV2Codec(block_log2=8)  # 256-element blocks: every test spans several
-
-
-def bf16_tensor(bits: np.ndarray) -> RawTensor:
-    return RawTensor("BF16", (bits.size,), bits.astype(np.uint16).view(np.uint8))
 
 
 def moved(base: np.ndarray, fraction: float, seed: int) -> np.ndarray:
@@ -34,16 +32,6 @@ def moved(base: np.ndarray, fraction: float, seed: int) -> np.ndarray:
     where = rng.random(base.size) < fraction
     new[where] += rng.choice(np.array([1, 2, 65535, 40000], dtype=np.uint16), int(where.sum()))
     return new
-
-
-def round_trip(codec: SparseV2Codec, new: RawTensor, old: RawTensor) -> np.ndarray:
-    payload = codec.encode_tensor(new, old)
-    out = old.data.copy()
-    if payload is not None:
-        changed = codec.apply_into(out, payload, new.itemsize, "t")
-        # It reports exactly the elements that differ, in order.
-        assert changed.tolist() == np.flatnonzero(new.bits() != old.bits()).tolist()
-    return out
 
 
 @pytest.mark.parametrize("fraction", [0.0, 0.0005, 0.001, 0.0025, 0.02, 0.1, 0.25, 0.9, 1.0])
@@ -138,26 +126,14 @@ def payload_pair() -> tuple[np.ndarray, RawTensor, RawTensor]:
 
 def test_every_truncation_is_refused():
     payload, _new, old = payload_pair()
-    for cut in range(payload.size):
-        with pytest.raises(CorruptPayload):
-            SMALL_BLOCKS.apply_into(old.data.copy(), payload[:cut], 2, "t")
+    assert_every_truncation_refused(SMALL_BLOCKS, payload, old)
 
 
 def test_byte_flips_are_refused_or_left_to_the_checksum():
     """A flipped byte raises CorruptPayload (nothing else escapes the decoder); the few that
     still parse (a padding bit, a raw low-bits byte) give bytes the target checksum rejects."""
     payload, new, old = payload_pair()
-    refused = wrong = 0
-    for at in range(payload.size):
-        bad = payload.copy()
-        bad[at] ^= 0x55
-        out = old.data.copy()
-        try:
-            SMALL_BLOCKS.apply_into(out, bad, 2, "t")
-        except CorruptPayload:
-            refused += 1
-            continue
-        wrong += not np.array_equal(out, new.data)
+    refused, wrong = flip_outcomes(SMALL_BLOCKS, payload, new, old)
     # Nothing but CorruptPayload escaped; most flips are refused outright, and of the rest
     # some only touch padding bits (the result is right), the others are left to the checksum.
     assert refused > payload.size // 4

@@ -16,6 +16,8 @@ from store.codecs.sparse_v2 import SparseV2Codec
 from store.codecs.sparse_v3 import FORM_GAPS, SparseV3Codec
 from store.errors import ChecksumMismatch, CorruptPayload
 from store.tensors import RawTensor
+from tests.store.codec_round_trip import bf16_tensor, round_trip
+from tests.store.payload_damage import assert_every_truncation_refused, flip_outcomes
 from tests.store.tensor_cases import raw_tensors, successors
 
 SMALL_BLOCKS = SparseV3Codec(block_log2=8)  # 256-element blocks: every test spans several
@@ -37,10 +39,6 @@ class ForcedClasses(SparseV3Codec):
         return sorted(starts), 0.0
 
 
-def bf16_tensor(bits: np.ndarray) -> RawTensor:
-    return RawTensor("BF16", (bits.size,), bits.astype(np.uint16).view(np.uint8))
-
-
 def as_bf16(values: np.ndarray) -> np.ndarray:
     bits = values.astype(np.float32).view(np.uint32)
     return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
@@ -55,16 +53,6 @@ def adam_like_step(size: int, lr: float, seed: int) -> tuple[np.ndarray, np.ndar
     values = (base.astype(np.uint32) << 16).view(np.float32)
     step = np.clip(rng.normal(0.0, 1.0, size), -1, 1).astype(np.float32)
     return base, as_bf16(values + np.float32(lr) * step)
-
-
-def round_trip(codec: SparseV3Codec, new: RawTensor, old: RawTensor) -> np.ndarray:
-    payload = codec.encode_tensor(new, old)
-    out = old.data.copy()
-    if payload is not None:
-        changed = codec.apply_into(out, payload, new.itemsize, "t")
-        # It reports exactly the elements that differ, in order.
-        assert changed.tolist() == np.flatnonzero(new.bits() != old.bits()).tolist()
-    return out
 
 
 def block_forms(payload: np.ndarray, block_log2: int, count: int) -> list[int]:
@@ -211,25 +199,13 @@ def class_payload() -> tuple[np.ndarray, RawTensor, RawTensor]:
 
 def test_every_truncation_of_a_class_payload_is_refused():
     payload, _new, old = class_payload()
-    for cut in range(payload.size):
-        with pytest.raises(CorruptPayload):
-            SMALL_BLOCKS.apply_into(old.data.copy(), payload[:cut], 2, "t")
+    assert_every_truncation_refused(SMALL_BLOCKS, payload, old)
 
 
 def test_byte_flips_in_a_class_payload_are_refused_or_left_to_the_checksum():
     """Nothing but CorruptPayload escapes the decoder; most flips are refused outright."""
     payload, new, old = class_payload()
-    refused = wrong = 0
-    for at in range(payload.size):
-        bad = payload.copy()
-        bad[at] ^= 0x55
-        out = old.data.copy()
-        try:
-            SMALL_BLOCKS.apply_into(out, bad, 2, "t")
-        except CorruptPayload:
-            refused += 1
-            continue
-        wrong += not np.array_equal(out, new.data)
+    refused, wrong = flip_outcomes(SMALL_BLOCKS, payload, new, old)
     assert refused > payload.size // 4
     assert refused + wrong > payload.size // 2
 
