@@ -35,22 +35,19 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import typer
 
+from bench.catchup import catchup_stages
+from bench.catchup import least_cpu as _cpu
 from bench.figures import significant
-
-if TYPE_CHECKING:
-    from store.cache import VersionFiles
 
 QWEN3_VOCAB = 151_936
 QWEN3_LAYERS = 28
 HEAD_DIM = 128
 DENSITIES = "0.0005,0.001,0.0025,0.005,0.01,0.02,0.05,0.1,0.25"
 TARGET_RANGE = (0.001, 0.10)
-T = TypeVar("T")  # densities the targets apply to (plus every real case)
 
 
 def qwen3_shapes(params: float) -> dict[str, tuple[int, ...]]:
@@ -270,25 +267,6 @@ def warm_up() -> None:
     fold(base, [encode_version(target, base, version=1, base_version=0, codec="sparse")])
 
 
-def _cpu(fn: Callable[[], T], repeats: int = 1) -> tuple[T, float]:
-    """Run `fn` `repeats` times on this thread; return its result and the least CPU seconds
-    this thread spent on one run (the run least disturbed by other processes).
-
-    With codec threads = 1 every byte is coded on this thread, so CPU seconds are the time on
-    a core of its own, whatever else the (shared) machine runs.
-    """
-    best = math.inf
-    result = None
-    for _ in range(repeats):
-        # Drop the previous run's output first, as a caller that keeps only the newest
-        # version does: a fold then reuses its memory rather than faulting in fresh pages.
-        result = None
-        started = time.thread_time()
-        result = fn()
-        best = min(best, time.thread_time() - started)
-    return result, best  # type: ignore[return-value]
-
-
 def _wall(fn: Callable[[], object], repeats: int) -> float:
     """Best wall-clock seconds of `repeats` runs (the least disturbed by other processes)."""
     best = math.inf
@@ -383,7 +361,7 @@ def two_core_speedup(target: Mapping, base: Mapping, repeats: int) -> dict[str, 
     }
     out: dict[str, float] = {}
     for label, job in jobs.items():
-        ratios, concurrency, efficiency = [], 0.0, []
+        ratios, concurrency, efficiency = [], [], []
         for _ in range(repeats):
             wall, cpu = {}, {}
             for count in (1, 2):
@@ -392,66 +370,38 @@ def two_core_speedup(target: Mapping, base: Mapping, repeats: int) -> dict[str, 
                 job()
                 wall[count] = time.perf_counter() - started
                 cpu[count] = time.process_time() - cpu_start
-            concurrency = max(concurrency, cpu[2] / wall[2])
+            concurrency.append(cpu[2] / wall[2])
             ratios.append(wall[1] / wall[2])
             efficiency.append(cpu[1] / cpu[2])
         out[f"two_core_speedup_{label}"] = max(ratios)
         out[f"two_core_speedup_{label}_median"] = float(np.median(ratios))
-        out[f"two_thread_cpu_concurrency_{label}"] = concurrency
+        out[f"two_thread_cpu_concurrency_{label}"] = max(concurrency)
+        out[f"two_thread_cpu_concurrency_{label}_median"] = float(np.median(concurrency))
         # CPU s of 1 thread / CPU s of 2 (process total): 1.0 = parallelism costs no extra
-        # work, so two free cores give up to 2x less load imbalance (median of the pairs).
+        # work, so two free cores give up to 2x less load imbalance.
         out[f"two_thread_cpu_efficiency_{label}"] = float(np.median(efficiency))
+        out[f"two_thread_cpu_efficiency_{label}_best"] = max(efficiency)
     return out
 
 
-def catchup_stages(
-    target: Mapping, base: Mapping, root: Path, repeats: int = 1
-) -> dict[str, float]:
-    """GB/s per core (thread CPU time, one codec and one torch thread) of each catch-up
-    stage on one version of `target`: fetch its files from a folder store, fold + verify,
-    convert to FP8, convert to NVFP4, write the staged BF16 folder. Each stage but the write
-    (which must not find its folder) is the least of `repeats` runs."""
-    import torch
-
-    from engine_agent.precision.checkpoint import write_safetensors_folder
-    from engine_agent.precision.convert import convert_tensors
-    from engine_agent.precision.plan import plan_quantization
-    from store.codecs import encode_version, fold, workers
-    from store.store import Store
-    from store.tensors import total_bytes
-    from store.torch_bridge import raw_to_state_dict
-    from store.types import VersionRef
-
-    full = total_bytes(target)
-    workers.set_threads(1)
-    torch_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        store = Store(str(root / "store"))
-        store.create_run("bench")
-        store.publish(
-            VersionRef("bench", 1),
-            encode_version(target, base, version=1, base_version=0, codec="sparse"),
-        )
-        files, t_fetch = _cpu(lambda: _fetched(store.open_version(VersionRef("bench", 1))), repeats)
-        tensors, t_fold = _cpu(lambda: fold(base, [files]), repeats)
-        state = raw_to_state_dict(tensors)
-        _, t_fp8 = _cpu(lambda: convert_tensors(state, {}, "fp8"), repeats)
-        scales = {m: 1.0 for m in plan_quantization(state, "nvfp4").quantized}
-        _, t_nvfp4 = _cpu(lambda: convert_tensors(state, {}, "nvfp4", scales), repeats)
-        _, t_write = _cpu(lambda: write_safetensors_folder(root / "staged", state))
-    finally:
-        torch.set_num_threads(torch_threads)
-    return {
-        f"{stage}_gb_s": significant(full / max(seconds, 1e-9) / 1e9)
-        for stage, seconds in (
-            ("fetch", t_fetch),
-            ("fold_verify", t_fold),
-            ("convert_fp8", t_fp8),
-            ("convert_nvfp4", t_nvfp4),
-            ("write_staged", t_write),
-        )
-    }
+def print_two_core(figures: dict[str, float], pairs: int, density: float) -> None:
+    """The 1 -> 2 thread figures as a small table (best and median of `pairs` pairs)."""
+    print(f"2 codec threads / 1, {pairs} back-to-back pairs at {100 * density:g}% density:")
+    print(f"{'':<8} {'wall ratio':>16} {'CPU concurrency':>16} {'CPU efficiency':>16}")
+    print(f"{'':<8} {'best / median':>16} {'best / median':>16} {'best / median':>16}")
+    for label in ("encode", "decode"):
+        cells = [
+            (figures[f"two_core_speedup_{label}"], figures[f"two_core_speedup_{label}_median"]),
+            (
+                figures[f"two_thread_cpu_concurrency_{label}"],
+                figures[f"two_thread_cpu_concurrency_{label}_median"],
+            ),
+            (
+                figures[f"two_thread_cpu_efficiency_{label}_best"],
+                figures[f"two_thread_cpu_efficiency_{label}"],
+            ),
+        ]
+        print(f"{label:<8} " + " ".join(f"{f'{a:.2f} / {b:.2f}':>16}" for a, b in cells))
 
 
 def _quantized_worst(cases: list[Case]) -> dict[str, float]:
@@ -466,11 +416,6 @@ def _quantized_worst(cases: list[Case]) -> dict[str, float]:
         "quantized_min_encode_gb_s": significant(min(c.encode_gb_s for c in quantized)),
         "quantized_min_decode_gb_s": significant(min(c.decode_gb_s for c in quantized)),
     }
-
-
-def _fetched(files: VersionFiles) -> VersionFiles:
-    files.fetch_all()
-    return files
 
 
 def real_cases(
@@ -527,6 +472,12 @@ def run(
     threads: int = typer.Option(os.cpu_count() or 1, help="Codec threads for 'all cores'."),
     repeats: int = typer.Option(2, help="Wall-clock runs per all-core figure (best kept)."),
     seed: int = typer.Option(0, help="Seed for weights and updates."),
+    only_two_core: bool = typer.Option(
+        False,
+        help="Measure only the 1 -> 2 codec thread speedup (wall ratio, CPU concurrency and "
+        "efficiency, best and median of --pairs pairs) at the density nearest 1%.",
+    ),
+    pairs: int = typer.Option(0, help="1 -> 2 thread pairs (0: 11 with --only-two-core, else 5)."),
 ) -> dict:
     """Encode every case with every delta codec; print the table and one JSON line."""
     from store.codecs import workers
@@ -542,10 +493,13 @@ def run(
         f"BF16 {n_params * 2 / 2**30:.2f} GiB; codec threads for 'all' = {threads}; "
         f"load average {load_before[0]:.1f}"
     )
+    fractions = [float(x) for x in densities.split(",") if x.strip()]
+    if only_two_core:
+        return _two_core_only(base, n_params, fractions, pairs or 11, seed, load_before)
     print(HEADER, flush=True)
     cases: list[Case] = []
     speed_pair = None
-    for i, fraction in enumerate(float(x) for x in densities.split(",") if x.strip()):
+    for i, fraction in enumerate(fractions):
         target = density_update(base, fraction, seed + 1 + i)
         case = measure_case(
             f"density {100 * fraction:g}%", "density", target, base,
@@ -581,11 +535,14 @@ def run(
             print(_row(case), flush=True)
     speedup: dict[str, float] = {}
     stage_rates: dict[str, float] = {}
+    stage_wall: dict[str, float] = {}
     if speed_pair is not None:
-        speedup = two_core_speedup(speed_pair[1], base, max(5, 2 * repeats))
+        speedup = two_core_speedup(speed_pair[1], base, pairs or max(5, 2 * repeats))
         if stages:
             with tempfile.TemporaryDirectory(prefix="tether-bench-codec-") as scratch:
-                stage_rates = catchup_stages(speed_pair[1], base, Path(scratch), repeats)
+                stage_rates, stage_wall = catchup_stages(
+                    speed_pair[1], base, Path(scratch), repeats
+                )
     workers.set_threads(os.cpu_count() or 1)
     load_after = os.getloadavg()
     targeted = [c for c in cases if c.targeted]
@@ -612,6 +569,7 @@ def run(
         "convert_fp8_gb_s": stage_rates.get("convert_fp8_gb_s"),
         "convert_nvfp4_gb_s": stage_rates.get("convert_nvfp4_gb_s"),
         "stages_gb_s_per_core": stage_rates,
+        "stages_gb_s_wall": stage_wall,
         "threads": threads,
         "load_average": [round(load_before[0], 2), round(load_after[0], 2)],
         "cases": [
@@ -637,6 +595,40 @@ def run(
         f"{summary['two_core_speedup']}x (>= 1.8); stages per core: {stage_rates}; "
         f"load average {load_before[0]:.1f} -> {load_after[0]:.1f}"
     )
+    print(json.dumps(summary))
+    return summary
+
+
+def _two_core_only(
+    base: Mapping,
+    n_params: int,
+    fractions: list[float],
+    pairs: int,
+    seed: int,
+    load_before: tuple[float, float, float],
+) -> dict:
+    """`--only-two-core`: the speedup figures of `run`'s JSON alone, in about a minute."""
+    from store.codecs import workers
+
+    i, fraction = min(enumerate(fractions), key=lambda item: abs(item[1] - 0.01))
+    # The same update `run` measures the speedup on (its seed for this density).
+    target = density_update(base, fraction, seed + 1 + i)
+    speedup = two_core_speedup(target, base, pairs)
+    workers.set_threads(os.cpu_count() or 1)
+    load_after = os.getloadavg()
+    print_two_core(speedup, pairs, fraction)
+    summary = {
+        "params": n_params,
+        "two_core_speedup": significant(
+            min(speedup["two_core_speedup_encode"], speedup["two_core_speedup_decode"])
+        ),
+        **{k: significant(v) for k, v in speedup.items()},
+        "speedup_density": fraction,
+        "pairs": pairs,
+        "cpus": os.cpu_count(),
+        "load_average": [round(load_before[0], 2), round(load_after[0], 2)],
+    }
+    print(f"load average {load_before[0]:.1f} -> {load_after[0]:.1f}")
     print(json.dumps(summary))
     return summary
 

@@ -8,7 +8,10 @@ client generating through the agent, publishes a delta v1 and measures:
 
 - `staging_s`: the agent's fetch + fold/verify + convert + write, while the engine serves,
   and each of those stages as GB/s of BF16 checkpoint (`fetch_gb_s`, `fold_verify_gb_s`,
-  `convert_gb_s` for `--precision`, `write_gb_s`);
+  `convert_gb_s` for `--precision`, `write_gb_s`) on the agent's wall clock;
+- `stages_gb_s_per_core` / `stages_gb_s_wall`: the same catch-up of v1 run in this process
+  (`bench.catchup`: fetch, fold + verify, convert to FP8, convert to NVFP4, write the staged
+  folder), per core (thread CPU time, one codec and one torch thread) beside the wall clock;
 - `pause_s`: how long the engine was paused for the commit (pause → load → continue);
 - `requests_during_staging`: client requests completed inside the staging window;
 - `full_reload_pause_s`: the naive refit, where the engine stops serving until a fresh
@@ -32,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.catchup import STAGES, catchup_stages
 from bench.figures import significant
 
 RUN = "refit-bench"
@@ -317,6 +321,8 @@ def run(
             if precision != "bf16"
             else {}
         )
+        with console.status("each catch-up stage of v1 in process, per core and on the wall"):
+            per_core, wall = catchup_stages(v1, v0, root / "stages")
     finally:
         processes.stop_all(15)
         if scratch is not None:
@@ -341,6 +347,8 @@ def run(
         "pause_over_unstaged_update": significant(last["pause_s"] / unstaged_pause, 4),
         "update_fraction": update_fraction,
         **stages,
+        "stages_gb_s_per_core": per_core,
+        "stages_gb_s_wall": wall,
         "logprobs_match_after_commit": matched,
         "logprobs_max_gap": None if gap is None else round(gap, 5),
     }
@@ -367,6 +375,11 @@ def run(
             f"vs {stages['convert_full_s']:.3f}s full; write {stages['write_incremental_s']:.3f}s "
             f"vs {stages['write_full_s']:.3f}s; same staged bytes: {stages['staged_identical']}"
         )
+    stage_table = Table("catch-up stage (in process)", "GB/s per core", "GB/s wall")
+    for stage in STAGES:
+        key = f"{stage}_gb_s"
+        stage_table.add_row(stage.replace("_", " "), f"{per_core[key]:g}", f"{wall[key]:g}")
+    console.print(stage_table)
     console.print(
         f"{engine} engine, {parameters / 1e6:.0f}M parameters ({precision}); staging "
         f"{figures['staging_s']:.2f}s outside the pause, {during} requests completed meanwhile"

@@ -48,6 +48,33 @@ def test_codec_bench_prints_its_figures_as_the_last_json_line():
         "convert_nvfp4_gb_s",
         "write_staged_gb_s",
     }
+    assert set(figures["stages_gb_s_wall"]) == set(figures["stages_gb_s_per_core"])
+
+
+def test_only_two_core_measures_the_speedup_alone():
+    """`--only-two-core`: wall ratio, CPU concurrency and efficiency, best and median."""
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.codec", "--params", "2e5", "--only-two-core",
+         "--pairs", "2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )  # fmt: skip
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    assert figures["pairs"] == 2 and figures["speedup_density"] == 0.01
+    for job in ("encode", "decode"):
+        for key in (
+            f"two_core_speedup_{job}",
+            f"two_core_speedup_{job}_median",
+            f"two_thread_cpu_concurrency_{job}",
+            f"two_thread_cpu_concurrency_{job}_median",
+            f"two_thread_cpu_efficiency_{job}",
+            f"two_thread_cpu_efficiency_{job}_best",
+        ):
+            assert figures[key] > 0, key
+    assert "cases" not in figures  # nothing else was measured
 
 
 def test_tether_bench_codec_has_help():

@@ -28,6 +28,12 @@ def test_refit_bench_prints_its_figures_as_the_last_json_line(tmp_path: Path) ->
     assert figures["pause_s"] < figures["full_reload_pause_s"]
     assert figures["engine"] == "reference"
     assert figures["logprobs_match_after_commit"] is True, figures["logprobs_max_gap"]
+    # Each catch-up stage, per core (thread CPU time) and on the wall.
+    stages = {"fetch_gb_s", "fold_verify_gb_s", "convert_fp8_gb_s", "convert_nvfp4_gb_s",
+              "write_staged_gb_s"}  # fmt: skip
+    for kind in ("stages_gb_s_per_core", "stages_gb_s_wall"):
+        assert set(figures[kind]) == stages
+        assert all(rate > 0 for rate in figures[kind].values()), figures[kind]
 
 
 def test_refit_bench_at_fp8_shows_conversion_with_and_without_incremental(
