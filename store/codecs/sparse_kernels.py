@@ -128,18 +128,42 @@ def _rice_pack_py(values: np.ndarray, r: int) -> tuple[np.ndarray, np.ndarray, n
     # no two partial products meet, so nothing carries (Hacker's Delight's bit gather).
     spread = np.uint64(0x0101010101010101)
     gather = np.uint64(0x8040201008040201)
+    whole = k // 8  # groups of exactly 8 values: a loop of fixed length, unrolled
     for group in range(plane):
         start = group * 8
         stop = min(start + 8, k)
         for word in range((r + 7) // 8):
             w = np.uint64(0)
-            for t in range(start, stop):
-                byte = (np.uint64(values[t]) >> np.uint64(8 * word)) & np.uint64(0xFF)
-                w |= byte << np.uint64(8 * (t - start))
+            if group < whole:
+                for t in range(8):
+                    byte = (np.uint64(values[start + t]) >> np.uint64(8 * word)) & np.uint64(0xFF)
+                    w |= byte << np.uint64(8 * t)
+            else:
+                for t in range(start, stop):
+                    byte = (np.uint64(values[t]) >> np.uint64(8 * word)) & np.uint64(0xFF)
+                    w |= byte << np.uint64(8 * (t - start))
             for j in range(8 * word, min(8 * word + 8, r)):
                 bits_j = (w >> np.uint64(j - 8 * word)) & spread
                 low[j * plane + group] = np.uint8((bits_j * gather) >> np.uint64(56))
     return low, unary, bits
+
+
+def _plane_lanes_py(low: np.ndarray, plane: int, group: int, first: int, last: int) -> np.uint64:
+    """Bits `first`..`last - 1` (at most 8) of the 8 values of `group`, one value per byte
+    lane (value t in byte t), from the low planes of `rice_pack`.
+
+    Each plane byte is spread to one 0/1 byte per value (mask byte t with 0x80 >> t, then
+    carry its bit to the lane's top and down to bit 0), and the planes stacked in the lanes.
+    """
+    replicate = np.uint64(0x0101010101010101)
+    select = np.uint64(0x0102040810204080)
+    low_bits = np.uint64(0x7F7F7F7F7F7F7F7F)
+    lanes = np.uint64(0)
+    for jj in range(first, last):
+        spread = (np.uint64(low[jj * plane + group]) * replicate) & select
+        spread = ((spread + low_bits) >> np.uint64(7)) & replicate
+        lanes |= spread << np.uint64(jj - first)
+    return lanes
 
 
 def _rice_unpack_py(
@@ -148,6 +172,7 @@ def _rice_unpack_py(
     """Decode `out.size` values; OK, or ERR_UNARY if the unary stream does not hold exactly
     that many codes with the last one ending at bit `unary_bits - 1`."""
     k = out.size
+    shift = np.uint64(r)
     j = 0
     q = 0
     size = (unary_bits + 7) >> 3
@@ -165,7 +190,7 @@ def _rice_unpack_py(
             one = leading_zeros(w)  # the next one bit, counted from the word's start
             if j == k:
                 return ERR_UNARY
-            out[j] = np.uint64(q + one - used) << np.uint64(r)
+            out[j] = np.uint64(q + one - used) << shift
             j += 1
             q = 0
             used = one + 1
@@ -174,21 +199,12 @@ def _rice_unpack_py(
     if j != k or q != 0:
         return ERR_UNARY
     plane = (k + 7) // 8
-    # Up to 8 planes at a time: each plane byte is spread to one 0/1 byte per value (mask
-    # byte t with 0x80 >> t, then carry its bit to the lane's top and down to bit 0), the
-    # planes stacked in the lanes, and each value ORs its lane once: one pass over `out`
-    # per 8 planes instead of one per plane.
-    replicate = np.uint64(0x0101010101010101)
-    select = np.uint64(0x0102040810204080)
-    low_bits = np.uint64(0x7F7F7F7F7F7F7F7F)
+    # Up to 8 planes at a time, one value per byte lane: one pass over `out` per 8 planes
+    # instead of one per plane.
     for first in range(0, r, 8):
         last = min(first + 8, r)
         for group in range(plane):
-            lanes = np.uint64(0)
-            for jj in range(first, last):
-                spread = (np.uint64(low[jj * plane + group]) * replicate) & select
-                spread = ((spread + low_bits) >> np.uint64(7)) & replicate
-                lanes |= spread << np.uint64(jj - first)
+            lanes = plane_lanes(low, plane, group, first, last)
             start = group * 8
             for t in range(min(8, k - start)):
                 lane = (lanes >> np.uint64(8 * t)) & np.uint64(0xFF)
@@ -386,6 +402,7 @@ rice_parameter = _jit(_rice_parameter_py)
 rice_bits = _jit(_rice_bits_py)
 plane_bits = _jit(_plane_bits_py)
 rice_pack = _jit(_rice_pack_py)
+plane_lanes = _jit(_plane_lanes_py)
 rice_unpack = _jit(_rice_unpack_py)
 apply_steps = _jit(_apply_steps_py)
 split_steps = _jit(_split_steps_py)
