@@ -81,6 +81,9 @@ class FleetConfig:
     # Agents pass a file on in pieces of this size while it arrives (cut-through): small
     # next to a version's files, as 8 MiB is next to a real shard.
     peer_chunk_bytes: int = 2048
+    # Children per peer in the control plane's fetch tree (`TETHER_PEER_FANOUT`): a peer's
+    # upload, capped at its link's rate, is shared by that many children.
+    peer_fanout: int = 2
 
     @property
     def caps(self) -> dict[str, float]:
@@ -130,6 +133,7 @@ class Stack:
                 "TETHER_ADMIN_TOKEN": stack.admin,
                 "TETHER_LEASE_SECONDS": str(config.lease_s),
                 "TETHER_HEARTBEAT_INTERVAL_S": str(config.heartbeat_s),
+                "TETHER_PEER_FANOUT": str(config.peer_fanout),
                 **stack.s3.environment(),
             }
             stack.controlplane = stack.group.start(
@@ -549,6 +553,7 @@ def run(
     start_per_s: float = typer.Option(100.0, help="agents started per second (whole swarm)"),
     peers: bool = typer.Option(False, help="peer-assisted fetch between the agents"),
     bad_peers: int = typer.Option(0, help="agents that serve their peers damaged files"),
+    peer_fanout: int = typer.Option(2, help="children per peer in the fetch tree"),
     earlier: list[Path] = typer.Option(
         [], help="saved output of an earlier run: its scales join this run's for the models"
     ),
@@ -565,7 +570,7 @@ def run(
             store_egress_mbps=store_egress_mbps, heartbeat_s=heartbeat_s,
             lease_s=max(10.0, heartbeat_s * 5), threads=threads,
             procs=swarm_procs or default_procs(), start_per_s=start_per_s, peers=peers,
-            bad_peers=bad_peers,
+            bad_peers=bad_peers, peer_fanout=peer_fanout,
         )  # fmt: skip
         print(
             f"--- {n} engines in {min(n, config.procs)} swarm processes, caps {config.caps}, "

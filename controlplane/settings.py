@@ -62,6 +62,8 @@ class ControlPlaneSettings(BaseSettings):
     # Peer-assisted fetch (controlplane/fetch_plan.py): the tree's fan-out (children per
     # peer), how many peers one plan names (nearest ancestors first; the store comes after
     # them; 0 turns peer fetch off fleet-wide) and how long a reported peer is left out.
-    peer_fanout: int = Field(default=4, ge=1)
+    # Peers forward files as they arrive, so a deeper tree costs little; a peer's upload is
+    # shared by its children, so each child receives at 1/fanout of it: 2, not more.
+    peer_fanout: int = Field(default=2, ge=1)
     peer_plan_size: int = Field(default=3, ge=0)
     peer_suspect_s: float = Field(default=60.0, ge=0)
