@@ -1,6 +1,6 @@
 """The fetch side of peer-assisted fetch: the sources one catch-up reads before the store.
 
-For each staging pass the reconciler asks `PeerFetch.sources(version)`: the control
+For each staging pass the reconciler asks `PeerFetch.begin(version)`: the control
 plane's fetch plan (peers, nearest first), then the configured fetch sources (an HTTP cache
 or P2P distributor, an object-store mirror); the store always comes last (`Store.materialize`
 reads it when no source delivers). After the pass, `finished` counts where the bytes came
@@ -77,6 +77,16 @@ class PeerFetch:
 
     async def sources(self, version: int) -> SourcedFetch:
         """The sources to try for `version`'s files, in order (possibly none)."""
+        return SourcedFetch(await self._find(version))
+
+    def begin(self, version: int) -> SourcedFetch:
+        """`sources` without waiting: the fetch plan is asked for while the pass plans its
+        catch-up from the store, and the pass waits for it only when it first needs a source
+        (a control plane answers in tenths of a second under load; planning takes as long)."""
+        found = asyncio.run_coroutine_threadsafe(self._find(version), asyncio.get_running_loop())
+        return SourcedFetch([], first=found, first_wait_s=_REGISTRATION_WAIT_S + self.wait_s)
+
+    async def _find(self, version: int) -> list[FetchSource]:
         found: list[FetchSource] = []
         if self.peers and self.engine_id() is None and self.registered is not None:
             # A new agent's first catch-up starts beside its registration: give that a
@@ -114,7 +124,7 @@ class PeerFetch:
         found += [
             open_source(url, stall_s=self.stall_s, client=self.client) for url in self.configured
         ]
-        return SourcedFetch(found)
+        return found
 
     async def finished(self, sourced: SourcedFetch, timings: PassTimings) -> None:
         """Count the pass's bytes by source and report the peers that misbehaved."""

@@ -258,7 +258,8 @@ class Reconciler:
 
         if have is None or tensors is None:
             have, tensors = None, None
-        sources = await self.fetch.sources(target) if self.fetch is not None else None
+        # The fetch plan is asked for while the store read plans the catch-up.
+        sources = self.fetch.begin(target) if self.fetch is not None else None
         self.fetching = None
 
         def planned(plan: CatchUpPlan) -> None:

@@ -12,6 +12,7 @@ and the attempt is released only once its bytes matched. Never writes anything.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -64,14 +65,36 @@ class SourcedFetch:
         self,
         sources: Iterable[FetchSource],
         on_fault: Callable[[SourceFault], None] | None = None,
+        first: concurrent.futures.Future[list[FetchSource]] | None = None,
+        first_wait_s: float = 30.0,
     ) -> None:
-        self.sources = list(sources)
+        self._sources = list(sources)
+        # Sources to try before `sources`, still being found (a fetch plan being asked for
+        # while the reader plans from the store); waited for at first use.
+        self._first = first
+        self.first_wait_s = first_wait_s
         self.on_fault = on_fault
         self.faults: list[SourceFault] = []
         # Bytes used, by source kind ("peer", "http", ... and "store" for the origin).
         self.bytes_from: Counter[str] = Counter()
         # Bytes received and thrown away because they did not match the digest.
         self.bytes_rejected = 0
+
+    @property
+    def sources(self) -> list[FetchSource]:
+        """The sources still in use, in order. The first use waits (at most `first_wait_s`)
+        for sources still being found: use it from a worker thread, never from the event
+        loop that finds them."""
+        if self._first is not None:
+            first, self._first = self._first, None
+            try:
+                self._sources[:0] = first.result(timeout=self.first_wait_s)
+            except (TimeoutError, concurrent.futures.CancelledError):
+                first.cancel()
+                log.info("no fetch plan within %.0fs; reading the store", self.first_wait_s)
+            except Exception as exc:  # finding them failed: the store serves, as without
+                log.info("no fetch sources (%s: %s); reading the store", type(exc).__name__, exc)
+        return self._sources
 
     def fetch(
         self, key: str, expected: FileDigest, attempts: Attempts | None = None
@@ -135,7 +158,9 @@ class SourcedFetch:
             self.on_fault(fault)
 
     def close(self) -> None:
-        for source in self.sources:
+        if self._first is not None:
+            self._first.cancel()
+        for source in self._sources:
             source.close()
         for fault in self.faults:
             fault.source.close()

@@ -285,3 +285,28 @@ def test_every_source_of_every_pass_shares_the_agents_one_http_client() -> None:
     assert all(s._client is fetch.client for s in sources)
     assert fetch.client is not None and not fetch.client.is_closed
     fetch.close()
+
+
+def test_a_pass_asks_for_its_plan_without_waiting_and_its_fetch_thread_gets_the_sources() -> None:
+    import asyncio
+
+    from engine_agent.peer_fetch import PeerFetch
+    from engine_agent.status import AgentStatus
+    from store.sources import SourcedFetch
+
+    fetch = PeerFetch(
+        control=None, engine_id=lambda: None, own_url="http://127.0.0.1:9", token=None,
+        status=AgentStatus(), configured=["http://127.0.0.1:9/a", "http://127.0.0.1:9/b"],
+        peers=False,
+    )  # fmt: skip
+
+    async def one_pass() -> tuple[SourcedFetch, list[str]]:
+        sourced = fetch.begin(3)  # returns before the plan is known
+        # The store read (a worker thread) is where the sources are first needed.
+        found = await asyncio.to_thread(lambda: [s.location for s in sourced.sources])
+        return sourced, found
+
+    sourced, found = asyncio.run(one_pass())
+    assert found == ["http://127.0.0.1:9/a", "http://127.0.0.1:9/b"]
+    sourced.close()
+    fetch.close()
