@@ -8,6 +8,7 @@ store counts as read when an agent's pass says its bytes came from "store".
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 from collections.abc import Iterator
@@ -17,8 +18,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from engine_agent.peer_fetch import PeerFetch
+from engine_agent.status import AgentStatus
 from reference_engine.engine import weights_checksum
 from store.layout import CLAIM_FILENAME, version_file_key
+from store.sources import HttpSource, SourcedFetch
 from store.types import VersionRef
 from tests.engine_agent.conftest import (
     ControlPlaneProcess,
@@ -259,18 +263,17 @@ def test_with_peer_fetch_off_an_agent_reads_the_store_as_before_and_serves_nothi
     assert reply.status_code == 404
 
 
-def test_every_source_of_every_pass_shares_the_agents_one_http_client() -> None:
-    import asyncio
-
-    from engine_agent.peer_fetch import PeerFetch
-    from engine_agent.status import AgentStatus
-    from store.sources import HttpSource
-
-    fetch = PeerFetch(
+def fetch_without_control_plane() -> PeerFetch:
+    """An agent's fetch side with two configured HTTP sources and no control plane."""
+    return PeerFetch(
         control=None, engine_id=lambda: None, own_url="http://127.0.0.1:9", token=None,
         status=AgentStatus(), configured=["http://127.0.0.1:9/a", "http://127.0.0.1:9/b"],
         peers=False,
     )  # fmt: skip
+
+
+def test_every_source_of_every_pass_shares_the_agents_one_http_client() -> None:
+    fetch = fetch_without_control_plane()
 
     async def two_passes() -> list[HttpSource]:
         found = []
@@ -288,17 +291,7 @@ def test_every_source_of_every_pass_shares_the_agents_one_http_client() -> None:
 
 
 def test_a_pass_asks_for_its_plan_without_waiting_and_its_fetch_thread_gets_the_sources() -> None:
-    import asyncio
-
-    from engine_agent.peer_fetch import PeerFetch
-    from engine_agent.status import AgentStatus
-    from store.sources import SourcedFetch
-
-    fetch = PeerFetch(
-        control=None, engine_id=lambda: None, own_url="http://127.0.0.1:9", token=None,
-        status=AgentStatus(), configured=["http://127.0.0.1:9/a", "http://127.0.0.1:9/b"],
-        peers=False,
-    )  # fmt: skip
+    fetch = fetch_without_control_plane()
 
     async def one_pass() -> tuple[SourcedFetch, list[str]]:
         sourced = fetch.begin(3)  # returns before the plan is known
