@@ -59,13 +59,27 @@ class SharedLink(Link):
             return float(free_at.value)
 
 
+# What a store read was, by its key: the version's tensor shards, its index, or the small
+# objects an agent reads to plan and verify (claims, pointers), which do not grow with the
+# model but are read by every engine.
+KINDS = ("shards", "index", "other")
+
+
+def kind_of(key: str) -> str:
+    if key.endswith(".safetensors"):
+        return "shards"
+    return "index" if key.endswith(".index.json") else "other"
+
+
 class Egress:
-    """Bytes read from the store, in total, over every process it was handed to."""
+    """Bytes read from the store, in total and by `KINDS`, over every process it was
+    handed to."""
 
     def __init__(self, context: BaseContext | None = None) -> None:
         context = context or multiprocessing.get_context("spawn")
         self._bytes = context.Value("q", 0, lock=True)
         self._reads = context.Value("q", 0, lock=False)
+        self._kinds = context.Array("q", len(KINDS), lock=False)
 
     @property
     def bytes(self) -> int:
@@ -75,10 +89,15 @@ class Egress:
     def reads(self) -> int:
         return int(self._reads.value)
 
-    def add(self, size: int) -> None:
+    def by_kind(self) -> dict[str, int]:
+        with self._bytes.get_lock():
+            return {kind: int(self._kinds[i]) for i, kind in enumerate(KINDS)}
+
+    def add(self, size: int, key: str = "") -> None:
         with self._bytes.get_lock():
             self._bytes.value += size
             self._reads.value += 1
+            self._kinds[KINDS.index(kind_of(key))] += size
 
 
 class CappedObjects(ObjectStore):
@@ -91,10 +110,10 @@ class CappedObjects(ObjectStore):
         self.store_link = store_link
         self.egress = egress
 
-    def _arrive(self, data: bytes) -> bytes:
+    def _arrive(self, data: bytes, key: str) -> bytes:
         now = time.monotonic()
         done = max(self.store_link.reserve(len(data), now), self.link.reserve(len(data), now))
-        self.egress.add(len(data))
+        self.egress.add(len(data), key)
         # The caller is a worker thread of the agent's fetch (`asyncio.to_thread`): holding
         # it is how a slow link holds a real fetch.
         if done > now:
@@ -102,10 +121,10 @@ class CappedObjects(ObjectStore):
         return data
 
     def get(self, key: str) -> bytes:
-        return self._arrive(self.inner.get(key))
+        return self._arrive(self.inner.get(key), key)
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
-        return self._arrive(self.inner.get_range(key, start, length))
+        return self._arrive(self.inner.get_range(key, start, length), key)
 
     def size(self, key: str) -> int | None:
         return self.inner.size(key)
@@ -128,7 +147,7 @@ class CappedObjects(ObjectStore):
     def read_cell(self, key: str) -> Cell:
         cell = self.inner.read_cell(key)
         if cell.data is not None:
-            self._arrive(cell.data)
+            self._arrive(cell.data, key)
         return cell
 
     def swap_cell(self, key: str, data: bytes, token: object) -> None:

@@ -193,6 +193,7 @@ class Trainer:
         shapes = {f"model.layers.{i}.mlp.up_proj.weight": (256, 256) for i in range(count)}
         self.weights = random_checkpoint(seed=0, shapes=shapes)
         self.sizes: dict[int, int] = {}
+        self.shard_sizes: dict[int, int] = {}
         self.published_at: dict[int, float] = {}
         self.client = httpx.Client(
             base_url=stack.url,
@@ -239,6 +240,9 @@ class Trainer:
         )
         self.store.publish(VersionRef(RUN, version), files)
         self.sizes[version] = sum(len(data) for data in files.values())
+        self.shard_sizes[version] = sum(
+            len(data) for name, data in files.items() if name.endswith(".safetensors")
+        )
         self.published_at[version] = time.time()
         reply = self.client.post(f"/v1/runs/{RUN}/versions", json={"version": version})
         reply.raise_for_status()
@@ -317,7 +321,7 @@ def _measure(config: FleetConfig, work: Path, say: Callable[[str], None]) -> dic
         cp_before = cp_latency.scrape(stack.url)
         cpu0, wall0 = stack.controlplane_cpu_s(), time.perf_counter()
         for _ in range(config.versions):
-            egress0 = pool.egress.bytes
+            egress0, kinds0 = pool.egress.bytes, pool.egress.by_kind()
             version = trainer.publish_next()
             published = trainer.published_at[version]
             pool.wait_serving(version, config.engines, CONVERGE_DEADLINE_S)
@@ -330,6 +334,9 @@ def _measure(config: FleetConfig, work: Path, say: Callable[[str], None]) -> dic
                 **{f"t{int(f * 100)}_s": fraction_time(times, config.engines, f)
                    for f in (0.5, 0.9, 0.99, 1.0)},
                 "store_egress_bytes": pool.egress.bytes - egress0,
+                "shard_bytes": trainer.shard_sizes[version],
+                **{f"store_{kind}_bytes": n - kinds0[kind]
+                   for kind, n in pool.egress.by_kind().items()},
                 "wake_p50_s": percentile(woken, 0.5),
                 "wake_p99_s": percentile(woken, 0.99),
                 "woken": len(woken),
@@ -386,6 +393,17 @@ def _measure(config: FleetConfig, work: Path, say: Callable[[str], None]) -> dic
                 sum(r["store_egress_bytes"] for r in rows) / sum(r["version_bytes"] for r in rows),
                 3,
             ),
+            # The same split by what was read: the version's shards (what grows with the
+            # model) and the index, claim and pointer reads every engine makes to plan and
+            # verify (a few hundred bytes each, whatever the model's size).
+            "store_shard_egress_over_shard_bytes": round(
+                sum(r["store_shards_bytes"] for r in rows) / sum(r["shard_bytes"] for r in rows),
+                3,
+            ),
+            "store_planning_bytes_per_engine": round(
+                sum(r["store_index_bytes"] + r["store_other_bytes"] for r in rows)
+                / (len(rows) * config.engines)
+            ),
             "peer_bytes": sum(s["peer_bytes"] for s in summaries),
             "store_bytes": sum(s["store_bytes"] for s in summaries),
             # Bytes a source served that failed verification (thrown away), and the sources
@@ -411,6 +429,10 @@ def _measure(config: FleetConfig, work: Path, say: Callable[[str], None]) -> dic
             "cp_wake_p99_ms": _ms(cp_latency.quantile(cp_wakes, 0.99)),
             "controlplane_cpu_cores": round(cp_cpu / wall, 3),
             "swarm_cpu_cores": round(sum(s["cpu_s"] for s in summaries) / wall, 3),
+            "swarm_rss_mb_per_agent": round(
+                sum(s["max_rss_kb"] for s in summaries) / 1024 / config.engines, 2
+            ),
+            "swarm_threads": sum(s["threads"] for s in summaries),
             # How late the swarm's event loops wake (a 100 ms sleep's overshoot, all
             # processes): the part of the client-side latencies that is the swarm's own.
             "swarm_loop_lag_p50_ms": _ms(percentile(lag, 0.5)),

@@ -20,7 +20,9 @@ import importlib
 import logging
 import multiprocessing
 import queue
+import resource
 import signal
+import threading
 import time
 from collections import Counter as Tally
 from collections.abc import Callable
@@ -469,6 +471,9 @@ class Share:
         statuses = [a.status for a in self.agents.values()]
         return {
             "agents": len(self.agents),
+            # Peak resident memory (KiB) and threads now: per agent, what a fleet costs.
+            "max_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+            "threads": threading.active_count(),
             "heartbeat_s": self.heartbeat_s,
             "loop_lag_s": self.loop_lag_s,
             "cpu_s": self._cpu,

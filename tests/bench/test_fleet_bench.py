@@ -48,6 +48,7 @@ def test_every_engine_of_the_swarm_commits_the_store_s_bytes_despite_a_lying_pee
         assert row["t50_s"] >= row["version_bytes"] / (config.agent_link_mbps * MB)
         # The store served the version at least once, whoever passed it on.
         assert row["store_egress_bytes"] >= row["version_bytes"]
+        assert row["store_shards_bytes"] >= row["shard_bytes"] > 0
         assert row["woken"] >= 1
     assert result["heartbeats"] > 0
     assert result["heartbeat_p99_ms"] is not None
@@ -56,6 +57,9 @@ def test_every_engine_of_the_swarm_commits_the_store_s_bytes_despite_a_lying_pee
     assert result["cp_heartbeat_p99_ms"] is not None
     assert result["cp_wakes"] >= 1
     assert result["swarm_loop_lag_p99_ms"] is not None
+    assert result["swarm_rss_mb_per_agent"] > 0
+    assert result["store_planning_bytes_per_engine"] > 0
+    assert result["swarm_threads"] >= 2
     assert result["single_catchup_s"] > 0
     # One agent damages every file it keeps for its peers: no engine may use those bytes.
     assert result["commits_differing"] == 0
@@ -77,11 +81,13 @@ def test_a_shared_link_queues_the_transfers_of_other_processes_too() -> None:
     assert link.reserve(500, now=10.0) == pytest.approx(11.0)
 
 
-def test_an_egress_counter_adds_up_the_bytes_and_reads() -> None:
+def test_an_egress_counter_adds_up_the_bytes_and_reads_by_what_was_read() -> None:
     egress = Egress()
-    egress.add(100)
-    egress.add(23)
-    assert (egress.bytes, egress.reads) == (123, 2)
+    egress.add(100, "fleet/updates/weight_v000002/model-00000-of-00001.safetensors")
+    egress.add(23, "fleet/updates/weight_v000002/model.safetensors.index.json")
+    egress.add(7, "fleet/updates/weight_v000002/.tether-claim")
+    assert (egress.bytes, egress.reads) == (130, 3)
+    assert egress.by_kind() == {"shards": 100, "index": 23, "other": 7}
 
 
 def test_a_link_queues_transfers_behind_each_other_at_its_rate() -> None:
