@@ -157,6 +157,20 @@ def _redo_tile(
 
 
 @_jit
+def _tile_top_bits(weight: np.ndarray, rows: int, cols: int, tile: int, tiles_per_row: int) -> int:
+    """Largest BF16 magnitude bits in a tile: its amax, as bits (magnitudes order as their
+    bits do; a NaN's bits exceed every number's)."""
+    r0 = (tile // tiles_per_row) * _BLOCK
+    c0 = (tile % tiles_per_row) * _BLOCK
+    top = 0
+    for r in range(r0, min(r0 + _BLOCK, rows)):
+        row = weight[r * cols + c0 : r * cols + min(c0 + _BLOCK, cols)]
+        for c in range(row.size):
+            top = max(top, row[c] & 0x7FFF)
+    return top
+
+
+@_jit
 def _recode_changes(
     weight: np.ndarray,
     rows: int,
@@ -167,9 +181,11 @@ def _recode_changes(
     threshold: np.ndarray,
 ) -> int:
     tiles_per_row = scale.size // max(1, (rows + _BLOCK - 1) // _BLOCK)
-    redo = np.zeros(scale.size, np.uint8)
+    suspect = np.zeros(scale.size, np.uint8)
     bits = np.empty(_CHUNK, np.uint16)
     old = np.empty(_CHUNK, np.uint8)
+    row_start = np.int64(0)  # the row of the last position, kept as positions rise
+    row_tiles = 0  # tile index of that row's first tile
     for start in range(0, positions.size, _CHUNK):
         stop = min(start + _CHUNK, positions.size)
         # Gather first: independent loads overlap their cache misses, which the recoding
@@ -182,20 +198,32 @@ def _recode_changes(
             old[i - start] = q[p]
         for i in range(start, stop):
             p = positions[i]
-            r = p // cols
-            tile = (r >> _BLOCK_SHIFT) * tiles_per_row + ((p - r * cols) >> _BLOCK_SHIFT)
-            if redo[tile]:
-                continue
+            if p - row_start >= cols or p < row_start:
+                # A division only when the row changes (positions are sorted).
+                r = p // cols
+                row_start = r * cols
+                row_tiles = (r >> _BLOCK_SHIFT) * tiles_per_row
+            tile = row_tiles + ((p - row_start) >> _BLOCK_SHIFT)
             value = bf16_value(bits[i - start])
-            # `not <=` so that a NaN (outside the contract) still redoes its tile; a code
+            # `not <=` so that a NaN (outside the contract) still marks its tile; a code
             # of ±448 may have been the tile's amax element, which can move the scale down.
             if not abs(value) <= threshold[tile] or (old[i - start] & 0x7F) == _E4M3_448:
-                redo[tile] = 1
-                continue
+                suspect[tile] = 1
+            # Coded with the tile's scale even when suspect: if its amax stands, that is
+            # the code; if not, the tile is redone whole below.
             q[p] = _encode(value, scale[tile])
     redone = 0
     for tile in range(scale.size):
-        if redo[tile]:
+        if suspect[tile]:
+            # The amax from the bits first: most suspects keep theirs (the ±448 code was
+            # not the amax element, or it is tied), and then the codes above stand.
+            top = _tile_top_bits(weight, rows, cols, tile, tiles_per_row)
+            if (
+                top < 0x7F80
+                and threshold[tile] >= 0
+                and bf16_value(np.uint16(top)) == threshold[tile]
+            ):
+                continue
             _redo_tile(weight, rows, cols, tile, tiles_per_row, q, scale, threshold)
             redone += 1
     return redone

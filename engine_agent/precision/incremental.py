@@ -115,6 +115,9 @@ class _Nvfp4Group:
     # 448 costs a scan of the whole fused group.
     holders: dict[str, np.ndarray] | None = None
     holder_bits: int = -1
+    # Where each group scale's E2M1 codes step (`nvfp4_kernel.new_code_bounds`), valid for
+    # `scale_2` only: dropped whenever the group is converted in full.
+    code_bounds: np.ndarray | None = None
 
 
 def _amax_holders(
@@ -415,6 +418,8 @@ class IncrementalConverter:
         assert _nvfp4_kernel is not None
         needs_full = not float(entry.scale_2) >= _MIN_NORMAL
         updates: dict[str, tuple[np.ndarray, Any]] = {}
+        if entry.code_bounds is None:
+            entry.code_bounds = _nvfp4_kernel.new_code_bounds()
         for module, weight in weights.items():
             positions = touched.get(f"{module}.weight")
             if needs_full or positions is None:
@@ -422,9 +427,16 @@ class IncrementalConverter:
             if len(positions) > self.dense_fraction * weight.numel():
                 needs_full = True
                 continue
-            scale_bytes = state.out[f"{module}.weight_scale"].view(-1).view(torch.uint8).numpy()
-            update = _nvfp4_kernel.recode_groups(
-                _bf16_bits(weight), positions, float(entry.scale_2), scale_bytes, entry.holder_bits
+            # Written in place at once: if the global amax turns out to have moved, the
+            # full conversion of the group below overwrites every byte of it.
+            update = _nvfp4_kernel.recode_groups_in_place(
+                _bf16_bits(weight),
+                positions,
+                float(entry.scale_2),
+                state.out[f"{module}.weight"].view(-1).numpy(),
+                state.out[f"{module}.weight_scale"].view(-1).view(torch.uint8).numpy(),
+                entry.code_bounds,
+                entry.holder_bits,
             )
             # Unchanged elements never exceed the old global amax, so this is the changes'.
             needs_full = not update.amax <= entry.global_amax
@@ -440,11 +452,6 @@ class IncrementalConverter:
         if needs_full:
             self._nvfp4_group_full(state, entry, weights)
             return 1
-        for module, (_, update) in updates.items():
-            update.write(
-                state.out[f"{module}.weight"].view(-1).numpy(),
-                state.out[f"{module}.weight_scale"].view(-1).view(torch.uint8).numpy(),
-            )
         entry.holders = holders
         return 0
 
@@ -460,6 +467,7 @@ class IncrementalConverter:
         entry.global_amax = amax
         entry.scale_2 = state.out[f"{entry.members[0]}.weight_scale_2"]
         entry.holder_bits, entry.holders = _amax_holders(weights, amax)
+        entry.code_bounds = None
 
 
 def _next_holders(

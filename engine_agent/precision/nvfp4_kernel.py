@@ -31,7 +31,7 @@ _B025, _B075, _B125, _B175 = np.float32(0.25), np.float32(0.75), np.float32(1.25
 _B250, _B350, _B500 = np.float32(2.5), np.float32(3.5), np.float32(5.0)
 _MIN_SCALE = np.float32(2.0**-9)  # `nvfp4.E4M3_MIN_SUBNORMAL`
 _MAX_SCALE = np.float32(448.0)
-_CHUNK = 1024  # groups gathered per step (their scratch stays in L1)
+_CHUNK = 512  # distinct groups gathered per step (their scratch stays in L1)
 # cache=True: the compiled code is kept on disk, so each process (engine agents, tests)
 # pays the ~1 s compilation once per machine rather than at every first conversion.
 _jit = numba.njit(cache=True, nogil=True)
@@ -84,119 +84,177 @@ _group_amax = _jit(_group_amax_py)
 _encode = _jit(_encode_py)
 
 
+# E2M1 bounds in code order, and whether a tie at the bound rounds up (>=) or down (>).
+_BOUNDS = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], np.float32)
+_TIES_UP = np.array([False, True, False, True, False, True, False])
+_INF_BITS = 0x7F80  # BF16 +inf; magnitude bits above it are NaNs
+_READY = 7  # column of a `code_bounds` row that says the row is filled
+
+
+def new_code_bounds() -> np.ndarray:
+    """An empty table for `recode_groups_in_place` (uint16 [256, 8]); one per global scale:
+    row c holds, for the group scale of E4M3 byte c, the least BF16 magnitude bits past each
+    E2M1 bound, and column 7 says whether the row was filled."""
+    return np.zeros((256, 8), np.uint16)
+
+
 @_jit
-def _recode_groups(
+def _fill_code_bounds(scale_2: np.float32, code: np.uint8, table: np.ndarray) -> None:
+    # x/d is correctly rounded and d > 0, so fl(x/d) never decreases as x grows: the BF16
+    # magnitudes whose quotient passes a bound are exactly those from some least one on,
+    # found by bisection with the very division a full conversion runs (inf always passes).
+    divisor = e4m3_value(code) * scale_2
+    for k in range(_BOUNDS.size):
+        lo, hi = 0, _INF_BITS
+        while lo < hi:
+            mid = (lo + hi) // 2
+            y = bf16_value(np.uint16(mid)) / divisor
+            passes = y >= _BOUNDS[k] if _TIES_UP[k] else y > _BOUNDS[k]
+            if passes:
+                hi = mid
+            else:
+                lo = mid + 1
+        table[code, k] = lo
+    table[code, _READY] = 1
+
+
+@_jit
+def _recode_groups_in_place(
     weight: np.ndarray,
     positions: np.ndarray,
     scale_2: np.float32,
-    old_scales: np.ndarray,
+    packed: np.ndarray,
+    scale_bytes: np.ndarray,
+    code_bounds: np.ndarray,
     holder_bits: int,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.float32, bool, np.ndarray]:
-    # The distinct 16-element groups holding a change (positions are sorted).
-    groups = np.empty(positions.size, np.int64)
-    count = 0
-    for i in range(positions.size):
-        if positions[i] < 0 or positions[i] >= weight.size:
-            raise IndexError("a changed position lies outside the tensor")
-        g = positions[i] >> 4
-        if count == 0 or groups[count - 1] != g:
-            groups[count] = g
-            count += 1
-    groups = groups[:count]
-    codes = np.empty((count, _GROUP // 2), np.uint8)
-    scales = np.empty(count, np.uint8)
+) -> tuple[int, np.float32, bool, np.ndarray]:
     denominator = np.float32(6.0) * scale_2
     largest = np.float32(0.0)
     old_max_scale = False
-    gathered = np.empty((_CHUNK, _GROUP), np.uint16)
     holders = np.empty(_GROUP, np.int64)  # grows below; almost always stays empty
     held = 0
-    y = np.empty(_GROUP, np.float32)
-    pack_scratch = np.empty(_GROUP, np.uint8)
-    for start in range(0, count, _CHUNK):
-        stop = min(start + _CHUNK, count)
-        # Gather first: independent loads overlap their cache misses, which the coding
-        # loop (a dependent chain per group) would otherwise wait for one by one.
-        for j in range(start, stop):
-            base = groups[j] * _GROUP
-            for i in range(_GROUP):
-                gathered[j - start, i] = weight[base + i]
-            # An old scale of 448 marks a group that may have held the global amax.
-            old_max_scale |= (old_scales[groups[j]] & 0x7F) == 0x7E
-        for j in range(start, stop):
-            values = gathered[j - start]
+    count = 0
+    last = np.int64(-1)
+    groups = np.empty(_CHUNK, np.int64)
+    old_scales = np.empty(_CHUNK, np.uint8)
+    nibbles = np.empty(_GROUP, np.int32)
+    gathered = np.empty((_CHUNK, _GROUP), np.uint16)
+    touched = np.uint8(0)
+    i = 0
+    while i < positions.size:
+        # Gather a chunk of distinct groups first: independent loads overlap their cache
+        # misses (weights, old scales, and the packed bytes about to be written), which
+        # the coding loop would otherwise wait for one by one.
+        n = 0
+        while i < positions.size and n < _CHUNK:
+            p = positions[i]
+            i += 1
+            if p < 0 or p >= weight.size:
+                raise IndexError("a changed position lies outside the tensor")
+            g = p >> 4
+            if g == last:
+                continue  # positions are sorted: this group is in the chunk already
+            last = g
+            groups[n] = g
+            first = g * _GROUP
+            for j in range(_GROUP):
+                gathered[n, j] = weight[first + j]
+            old_scales[n] = scale_bytes[g]
+            touched ^= packed[g * (_GROUP // 2)]  # the line written below, loaded now
+            n += 1
+        count += n
+        for k in range(n):
+            g = groups[k]
+            first = g * _GROUP
             # max |x| as the largest magnitude bit pattern: BF16 magnitudes order as their
             # bits do, and a NaN's bits exceed every number's (NaN wins, as in torch).
             top = 0
-            for i in range(_GROUP):
-                top = max(top, values[i] & 0x7FFF)
-            amax = bf16_value(np.uint16(top))
+            for j in range(_GROUP):
+                top = max(top, gathered[k, j] & 0x7FFF)
             if top == holder_bits:
                 # Elements of a changed group that equal the global amax hold it now.
-                for i in range(_GROUP):
-                    if (values[i] & 0x7FFF) == holder_bits:
+                for j in range(_GROUP):
+                    if (gathered[k, j] & 0x7FFF) == holder_bits:
                         if held == holders.size:
                             grown = np.empty(2 * held, np.int64)
                             grown[:held] = holders
                             holders = grown
-                        holders[held] = groups[j] * _GROUP + i
+                        holders[held] = first + j
                         held += 1
+            amax = bf16_value(np.uint16(top))
             if amax > largest or amax != amax:
                 largest = amax
+            # An old scale of 448 marks a group that may have held the global amax.
+            old_max_scale |= (old_scales[k] & 0x7F) == 0x7E
             # `nvfp4.group_scales`: amax/(6·scale_2), 1.0 for a zero group, clamped, cast.
             ideal = amax / denominator if amax > 0 else np.float32(1.0)
             code = e4m3_code(min(max(ideal, _MIN_SCALE), _MAX_SCALE))
-            scales[j] = code
-            divisor = e4m3_value(code) * scale_2
-            for i in range(_GROUP):
-                y[i] = bf16_value(values[i]) / divisor
-            _pack_group(y, pack_scratch, codes[j])
-    return groups, codes, scales, largest, old_max_scale, holders[:held]
-
-
-@_jit
-def _write_groups(
-    packed: np.ndarray, scale_bytes: np.ndarray, update_groups: np.ndarray, codes: np.ndarray,
-    scales: np.ndarray,
-) -> None:  # fmt: skip
-    for j in range(update_groups.size):
-        g = update_groups[j]
-        scale_bytes[g] = scales[j]
-        for i in range(_GROUP // 2):
-            packed[g * (_GROUP // 2) + i] = codes[j, i]
+            scale_bytes[g] = code
+            if code_bounds[code, _READY] == 0:
+                _fill_code_bounds(scale_2, code, code_bounds)
+            b0, b1, b2, b3 = (
+                np.int32(code_bounds[code, 0]),
+                np.int32(code_bounds[code, 1]),
+                np.int32(code_bounds[code, 2]),
+                np.int32(code_bounds[code, 3]),
+            )
+            b4, b5, b6 = (
+                np.int32(code_bounds[code, 4]),
+                np.int32(code_bounds[code, 5]),
+                np.int32(code_bounds[code, 6]),
+            )
+            # The E2M1 code is how many bounds the magnitude reaches: no division per
+            # element, and int32 lanes the compiler vectorises. A NaN codes as 0 (every
+            # comparison of torch's coder is false); the sign bit goes with a non-zero code
+            # only, as `y < -0.25` does.
+            for j in range(_GROUP):
+                w = np.int32(gathered[k, j])
+                m = w & 0x7FFF
+                c = (
+                    np.int32(m >= b0) + np.int32(m >= b1) + np.int32(m >= b2)
+                    + np.int32(m >= b3) + np.int32(m >= b4) + np.int32(m >= b5)
+                    + np.int32(m >= b6)
+                ) * np.int32(m <= _INF_BITS)  # fmt: skip
+                nibbles[j] = c | (((w >> 15) & np.int32(c != 0)) << 3)
+            base = g * (_GROUP // 2)
+            for j in range(_GROUP // 2):
+                packed[base + j] = np.uint8(nibbles[2 * j] | (nibbles[2 * j + 1] << 4))
+    if touched == 0xFF:  # keeps the touching loads; the outcome does not matter
+        count += 0
+    return count, largest, old_max_scale, holders[:held]
 
 
 @dataclass(frozen=True)
 class GroupUpdate:
-    """New codes and scales of the 16-element groups holding a change, not yet written."""
+    """What `recode_groups_in_place` saw in the 16-element groups holding a change."""
 
-    groups: np.ndarray  # int64 [G]: group index (flat element index >> 4)
-    codes: np.ndarray  # uint8 [G, 8]: packed E2M1 codes
-    scales: np.ndarray  # uint8 [G]: float8_e4m3fn bytes of the group scales
+    groups: int  # how many groups were recoded
     amax: float  # max |x| over the changed groups
     old_scale_was_448: bool  # a changed group's previous scale was 448
     # int64, sorted: elements of the changed groups whose |x| has the bits `holder_bits`
     new_holders: np.ndarray
 
-    def write(self, packed: np.ndarray, scale_bytes: np.ndarray) -> None:
-        """Store the codes and scales into a tensor's flat packed bytes and scale bytes."""
-        _write_groups(packed, scale_bytes, self.groups, self.codes, self.scales)
 
-
-def recode_groups(
+def recode_groups_in_place(
     weight: np.ndarray,
     positions: np.ndarray,
     scale_2: float,
-    old_scales: np.ndarray,
+    packed: np.ndarray,
+    scale_bytes: np.ndarray,
+    code_bounds: np.ndarray,
     holder_bits: int,
 ) -> GroupUpdate:
-    """Codes and scales of every 16-element group of BF16 `weight` (uint16 bits, flat) that
-    holds one of the sorted flat `positions`, with the exact operations of
-    `nvfp4.encode_groups`; `old_scales` are the tensor's current scale bytes (flat)."""
-    groups, codes, scales, amax, old_448, holders = _recode_groups(
-        weight, positions, np.float32(scale_2), old_scales, holder_bits
+    """Recode, in place, every 16-element group of BF16 `weight` (uint16 bits, flat) that
+    holds one of the sorted flat `positions`: its E4M3 scale byte in `scale_bytes` and its
+    packed E2M1 codes in `packed` (both flat), bit for bit as `nvfp4.encode_groups` codes
+    them under `scale_2`. `code_bounds` (`new_code_bounds`) caches per scale code the
+    magnitudes where the E2M1 code steps, filled as codes are met; it belongs to `scale_2`
+    and must be renewed when it changes. A caller whose global amax turns out to have moved
+    recodes the whole tensor group afterwards, overwriting these bytes."""
+    count, amax, old_448, holders = _recode_groups_in_place(
+        weight, positions, np.float32(scale_2), packed, scale_bytes, code_bounds, holder_bits
     )
-    return GroupUpdate(groups, codes, scales, float(amax), bool(old_448), holders)
+    return GroupUpdate(int(count), float(amax), bool(old_448), holders)
 
 
 def group_amax(values: np.ndarray) -> np.ndarray:

@@ -28,11 +28,17 @@ def test_convert_bench_reports_rates_and_bitwise_identity_as_the_last_json_line(
         "full_nvfp4_gb_s",
         "incremental_fp8_gb_s_at_0_25pct",
         "incremental_nvfp4_gb_s_at_0_25pct",
+        "incremental_nvfp4_gb_s_cpu_at_0_25pct",
         "incremental_fp8_with_diff_gb_s_at_5pct",
         "agent_fp8_gb_s_at_0_25pct",
         "agent_nvfp4_gb_s_at_0_25pct",
+        "agent_nvfp4_gb_s_cpu_at_0_25pct",
+        "adversarial_nvfp4_gb_s_at_0_25pct",
     ):
         assert figures[key] > 0, key
     # The agent's path took every changed tensor's positions from the fold.
     assert figures["agent_fp8_tensors_positions_from_fold"] > 0
     assert figures["agent_nvfp4_tensors_positions_from_fold"] > 0
+    # The adversarial step moved every fused group's global amax: 4 groups in each of the
+    # 2 layers (q/k/v, o, gate/up, down) were converted in full, and still bit-identical.
+    assert figures["adversarial_tiles_or_groups_in_full_nvfp4_at_0_25pct"] == 8

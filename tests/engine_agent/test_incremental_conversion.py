@@ -380,3 +380,25 @@ def test_without_the_compiled_kernels_the_torch_path_writes_the_same_bytes(
         assert not result[3].full
         assert_identical_to_full(result, new, precision, scales)
         tensors = new
+
+
+def test_an_fp8_tile_whose_amax_stands_keeps_its_scale_and_recodes_only_the_changes() -> None:
+    # Two elements of a tile hold its amax (both code ±448); one moves down. The tile is
+    # suspect, its amax is measured again, found unchanged, and only the change is recoded.
+    name = "model.layers.0.mlp.down_proj.weight"
+    tensors = checkpoint()
+    tensors[name][3, 5] = 0.25
+    tensors[name][70, 100] = -0.25
+    converter = IncrementalConverter("fp8")
+    converter.convert(tensors, CONFIG, None)
+    new = {n: t.clone() for n, t in tensors.items()}
+    new[name][3, 5] = 0.125
+    result = converter.convert(new, CONFIG, diff(tensors, new))
+    assert result[3].tiles_requantized == 0
+    assert_identical_to_full(result, new, "fp8", None)
+    # When the last holder moves down too, the amax falls and the tile is redone whole.
+    newer = {n: t.clone() for n, t in new.items()}
+    newer[name][70, 100] = 0.0
+    result = converter.convert(newer, CONFIG, diff(new, newer))
+    assert result[3].tiles_requantized == 1
+    assert_identical_to_full(result, newer, "fp8", None)

@@ -17,6 +17,7 @@ from engine_agent.precision import (
     convert_checkpoint,
     convert_tensors,
     fp8_kernel,
+    nvfp4_kernel,
     plan_quantization,
     read_input_scales,
 )
@@ -27,6 +28,7 @@ from engine_agent.precision.nvfp4 import (
     e2m1_codes,
     e2m1_values,
     encode_groups,
+    global_scale,
     group_amax,
     group_scales,
     pack_nibbles,
@@ -117,6 +119,34 @@ def test_fused_nvfp4_encoding_matches_the_torch_definition_on_every_bf16_value(g
     # scale gives block scale 1): each bound rounds by its own tie rule.
     packed = encode_groups(ties.clone(), torch.tensor(1.0), torch.full((ties.shape[0],), 6.0))[0]
     assert torch.equal(packed, pack_nibbles(e2m1_codes(ties.clamp(-6.0, 6.0))))
+
+
+@pytest.mark.parametrize("global_amax", [0.0, 1e-30, 0.05, 6.0, 2688.0, 3e38])
+def test_incremental_nvfp4_recoding_without_divisions_matches_the_fused_encoder(global_amax):
+    # The incremental recoder codes by comparing magnitudes with per-scale bounds found
+    # once by bisection; on every BF16 bit pattern, and on BF16 values at the E2M1 ties
+    # (divided by exactly 1), it must write the encoder's bytes.
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    order = torch.randperm(bits.numel(), generator=torch.Generator().manual_seed(7))
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0]).to(torch.bfloat16)
+    tie_bits = torch.cat([ties, -ties]).view(torch.int16)
+    cases = [(bits[order], global_amax), (tie_bits, 2688.0)]
+    for flat, amax in cases:
+        scale_2 = global_scale(amax)
+        values = flat.view(torch.bfloat16).to(torch.float32).view(-1, 16)
+        expected_codes, expected_scales = encode_groups(values.clone(), scale_2)
+        weight = flat.numpy().view(np.uint16)
+        # Every group once, some twice (positions are sorted; repeats must not matter).
+        positions = np.sort(np.concatenate([np.arange(0, weight.size, 16), [5, weight.size - 1]]))
+        packed = np.zeros(weight.size // 2, np.uint8)
+        scale_bytes = np.zeros(weight.size // 16, np.uint8)
+        update = nvfp4_kernel.recode_groups_in_place(
+            weight, positions, float(scale_2), packed, scale_bytes,
+            nvfp4_kernel.new_code_bounds(), -1,
+        )  # fmt: skip
+        assert update.groups == weight.size // 16
+        assert np.array_equal(scale_bytes, expected_scales.view(torch.uint8).numpy())
+        assert np.array_equal(packed, expected_codes.reshape(-1).numpy())
 
 
 def fp32_cast_probes() -> torch.Tensor:
