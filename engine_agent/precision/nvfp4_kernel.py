@@ -127,7 +127,7 @@ def _recode_groups_in_place(
     scale_bytes: np.ndarray,
     code_bounds: np.ndarray,
     holder_bits: int,
-) -> tuple[int, np.float32, bool, np.ndarray]:
+) -> tuple[int, np.float32, bool, np.ndarray, np.uint8]:
     denominator = np.float32(6.0) * scale_2
     largest = np.float32(0.0)
     old_max_scale = False
@@ -138,7 +138,9 @@ def _recode_groups_in_place(
     groups = np.empty(_CHUNK, np.int64)
     old_scales = np.empty(_CHUNK, np.uint8)
     nibbles = np.empty(_GROUP, np.int32)
-    gathered = np.empty((_CHUNK, _GROUP), np.uint16)
+    gathered_words = np.empty((_CHUNK, _GROUP // 4), np.uint64)
+    gathered = gathered_words.view(np.uint16)
+    words = weight.view(np.uint64)
     touched = np.uint8(0)
     i = 0
     while i < positions.size:
@@ -156,9 +158,8 @@ def _recode_groups_in_place(
                 continue  # positions are sorted: this group is in the chunk already
             last = g
             groups[n] = g
-            first = g * _GROUP
-            for j in range(_GROUP):
-                gathered[n, j] = weight[first + j]
+            for j in range(_GROUP // 4):  # the group's 32 bytes as four 8-byte words
+                gathered_words[n, j] = words[g * (_GROUP // 4) + j]
             old_scales[n] = scale_bytes[g]
             touched ^= packed[g * (_GROUP // 2)]  # the line written below, loaded now
             n += 1
@@ -219,9 +220,8 @@ def _recode_groups_in_place(
             base = g * (_GROUP // 2)
             for j in range(_GROUP // 2):
                 packed[base + j] = np.uint8(nibbles[2 * j] | (nibbles[2 * j + 1] << 4))
-    if touched == 0xFF:  # keeps the touching loads; the outcome does not matter
-        count += 0
-    return count, largest, old_max_scale, holders[:held]
+    # `touched` is returned so that the compiler keeps the loads that fetched those lines.
+    return count, largest, old_max_scale, holders[:held], touched
 
 
 @dataclass(frozen=True)
@@ -251,7 +251,7 @@ def recode_groups_in_place(
     magnitudes where the E2M1 code steps, filled as codes are met; it belongs to `scale_2`
     and must be renewed when it changes. A caller whose global amax turns out to have moved
     recodes the whole tensor group afterwards, overwriting these bytes."""
-    count, amax, old_448, holders = _recode_groups_in_place(
+    count, amax, old_448, holders, _ = _recode_groups_in_place(
         weight, positions, np.float32(scale_2), packed, scale_bytes, code_bounds, holder_bits
     )
     return GroupUpdate(int(count), float(amax), bool(old_448), holders)
