@@ -20,7 +20,7 @@ import math
 import numba
 import numpy as np
 
-from store.codecs.sparse_kernels import trailing_zeros
+from store.codecs.sparse_kernels import leading_zeros, trailing_zeros
 
 _jit = numba.njit(cache=True, nogil=True)
 
@@ -135,22 +135,150 @@ def _decode_events_py(
     return OK
 
 
-def _mask_gaps_py(words: np.ndarray, gaps: np.ndarray) -> int:
-    """Fill `gaps` with the unset bits before each set bit of `words` (as sparse-v2's
-    positions are coded); return the number of set bits (at most gaps.size are written)."""
+def _positions_py(words: np.ndarray, out: np.ndarray) -> int:
+    """Write the index of each set bit of `words` to `out` (at most out.size of them) and
+    return how many there are."""
     j = 0
-    last = -1
     for w in range(words.size):
         m = words[w]
         start = w * 64
         while m:
-            i = start + trailing_zeros(m)
+            if j < out.size:
+                out[j] = start + trailing_zeros(m)
             m &= m - np.uint64(1)
-            if j < gaps.size:
-                gaps[j] = i - last - 1
-            last = i
             j += 1
     return j
+
+
+def _rice_bits_py(
+    low: np.ndarray,
+    low_at: int,
+    unary: np.ndarray,
+    unary_at: int,
+    unary_end: int,
+    r: int,
+    out: np.ndarray,
+) -> int:
+    """Decode out.size Rice codes whose low bits are r planes of out.size bits each from
+    bit `low_at` of `low`, and whose unary codes start at bit `unary_at` of `unary` (bits
+    most significant first). Returns the bit after the last code, or -1 if the codes run
+    past `unary_end`."""
+    k = out.size
+    pos = unary_at
+    for i in range(k):
+        q = 0
+        while True:  # a byte at a time: the next one bit by a leading-zero count
+            if pos >= unary_end:
+                return -1
+            skip = pos & 7
+            b = (np.uint32(unary[pos >> 3]) << np.uint32(skip)) & np.uint32(0xFF)
+            if b == 0:
+                q += 8 - skip
+                pos += 8 - skip
+                continue
+            zeros = leading_zeros(np.uint8(b))
+            q += zeros
+            pos += zeros + 1
+            break
+        if pos > unary_end:
+            return -1
+        out[i] = np.uint64(q) << np.uint64(r)
+    for j in range(r):
+        base = low_at + j * k
+        for i in range(k):
+            at = base + i
+            out[i] |= np.uint64((low[at >> 3] >> (7 - (at & 7))) & 1) << np.uint64(j)
+    return pos
+
+
+def _apply_class_steps_py(
+    bits: np.ndarray,
+    own: np.ndarray,
+    down: np.ndarray,
+    index: np.ndarray,
+    magnitudes: np.ndarray,
+    width_bits: int,
+) -> int:
+    """Move every change by its step in float order, in one pass in element order.
+
+    Row c of `own` marks class c's changes. Values are stored class by class, so the t-th
+    change of class c is change starts[c] + t of that order: its sign is that bit of `down`
+    (1 = down), and it moves by magnitudes[a] + 2 instead of 1 where index[a] (ascending)
+    names it. Returns OK, or ERR_EVENTS if a magnitude's index is never reached."""
+    top = np.uint64(1) << np.uint64(width_bits - 1)
+    mask = (top << np.uint64(1)) - np.uint64(1)
+    classes, words = own.shape
+    next_of = class_starts(own)  # class c's next change, in stored order
+    next_at = np.zeros(classes, np.int64)  # its first magnitude index not yet used
+    for c in range(classes):
+        start = next_of[c]
+        lo = 0
+        hi = index.size
+        while lo < hi:  # first magnitude index >= start
+            mid = (lo + hi) // 2
+            if index[mid] < np.uint64(start):
+                lo = mid + 1
+            else:
+                hi = mid
+        next_at[c] = lo
+    used = 0
+    for w in range(words):
+        for c in range(classes):
+            m = own[c, w]
+            while m:
+                pos = w * 64 + trailing_zeros(m)
+                m &= m - np.uint64(1)
+                j = next_of[c]
+                next_of[c] = j + 1
+                step = np.uint64(1)
+                a = next_at[c]
+                if a < index.size and index[a] == np.uint64(j):
+                    step += np.uint64(magnitudes[a]) + np.uint64(1)
+                    next_at[c] = a + 1
+                    used += 1
+                b = np.uint64(bits[pos])
+                key = b ^ mask if b & top else b ^ top
+                sub = np.uint64(0) - np.uint64((down[j >> 3] >> (7 - (j & 7))) & 1)
+                key = (key + step - ((step << np.uint64(1)) & sub)) & mask
+                bits[pos] = key ^ top if key & top else key ^ mask
+    return OK if used == index.size else ERR_EVENTS
+
+
+def _class_starts(own: np.ndarray) -> np.ndarray:
+    """Where each class's changes begin in the class-by-class order (row c of `own` marks
+    class c's changes)."""
+    classes, words = own.shape
+    starts = np.zeros(classes, np.int64)
+    total = 0
+    for c in range(classes):
+        starts[c] = total
+        for w in range(words):
+            total += popcount(own[c, w])
+    return starts
+
+
+class_starts = _jit(_class_starts)
+
+
+def _apply_class_patches_py(
+    bits: np.ndarray, own: np.ndarray, values: np.ndarray, xor: bool
+) -> None:
+    """Write (or XOR in) `values`, stored class by class, at the changes `own` marks, in
+    one pass in element order."""
+    classes, words = own.shape
+    next_of = class_starts(own)
+    for w in range(words):
+        for c in range(classes):
+            m = own[c, w]
+            while m:
+                pos = w * 64 + trailing_zeros(m)
+                m &= m - np.uint64(1)
+                j = next_of[c]
+                next_of[c] = j + 1
+                if xor:
+                    bits[pos] ^= values[j]
+                else:
+                    bits[pos] = values[j]
 
 
 def _key_counts_py(
@@ -245,6 +373,9 @@ class_mask = _jit(_class_mask_py)
 changed_mask = _jit(_changed_mask_py)
 encode_events = _jit(_encode_events_py)
 decode_events = _jit(_decode_events_py)
-mask_gaps = _jit(_mask_gaps_py)
+positions = _jit(_positions_py)
+rice_bits = _jit(_rice_bits_py)
+apply_class_steps = _jit(_apply_class_steps_py)
+apply_class_patches = _jit(_apply_class_patches_py)
 key_counts = _jit(_key_counts_py)
 choose_classes = _jit(_choose_classes_py)

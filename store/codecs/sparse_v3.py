@@ -33,6 +33,8 @@ from store.codecs.bitstreams import (
 )
 from store.codecs.class_kernels import (
     OK,
+    apply_class_patches,
+    apply_class_steps,
     changed_mask,
     choose_classes,
     class_mask,
@@ -40,10 +42,11 @@ from store.codecs.class_kernels import (
     encode_events,
     h2_bits,
     key_counts,
-    mask_gaps,
+    positions,
+    rice_bits,
 )
 from store.codecs.sparse import join_planes
-from store.codecs.sparse_kernels import apply_steps, gather_changes
+from store.codecs.sparse_kernels import gather_changes
 from store.codecs.sparse_v2 import (
     VALUES_STEP,
     VALUES_XOR,
@@ -254,42 +257,33 @@ class SparseV3Codec(SparseV2Codec):
         )
         sizes = [-(-low_bits // 8), -(-unary_bits // 8)]
         streams = self._read_streams(block, offset, sizes + values.sizes, what)
-        low_stream = np.unpackbits(streams[0])
-        unary_stream = np.unpackbits(streams[1])[:unary_bits]
-        ends = np.flatnonzero(unary_stream) + 1  # where each class's codes end
-        if ends.size != total_events:
-            raise CorruptPayload(f"{what}: its unary stream does not hold {total_events} codes")
         words = -(-bits.size // 64)
         changed_words = np.zeros(words, np.uint64)
         mask = np.empty(words, np.uint64)
         per_class: list[np.ndarray] = []  # each class's changes, as bits
-        low_at = unary_at = decoded = 0
+        low_at = unary_at = 0
         for lo, width, events, complement, r in classes:
             if not events and not complement:
                 continue
             class_mask(bits, keymask, lo, width, mask)
-            gaps = np.empty(0, np.uint64)
+            gaps = np.empty(events, np.uint64)
             if events:
-                # This class's planes and unary bits, padded back to whole bytes each.
-                plane = low_stream[low_at : low_at + r * events].reshape(r, events)
-                low = np.packbits(plane, axis=1).reshape(-1)
-                decoded += events
-                end = int(ends[decoded - 1])
-                unary = np.packbits(unary_stream[unary_at:end])
-                gaps = rice_decode(low, unary, end - unary_at, events, r, what)
+                unary_at = rice_bits(streams[0], low_at, streams[1], unary_at, unary_bits, r, gaps)
+                if unary_at < 0:
+                    raise CorruptPayload(f"{what}: its unary stream ends inside a class's codes")
                 low_at += r * events
-                unary_at = end
             own = np.zeros(words, np.uint64)
             if decode_events(mask, gaps, complement, own) != OK:
                 raise CorruptPayload(f"{what} places a change past the end of its class")
             per_class.append(own)
             changed_words |= own
-        gaps = np.empty(changed, np.uint64)
-        if mask_gaps(changed_words, gaps) != changed:
+        if unary_at != unary_bits:
+            raise CorruptPayload(f"{what}: its unary stream holds more than its classes' codes")
+        found = np.empty(changed, np.int64)
+        if positions(changed_words, found) != changed:
             raise CorruptPayload(f"{what} declares {changed} changes but its classes hold others")
         self._apply_class_values(bits, per_class, changed, values, streams[2:], what)
-        positions: np.ndarray = np.cumsum(gaps.view(np.int64) + 1) - 1
-        return positions
+        return found
 
     def _apply_class_values(
         self,
@@ -303,20 +297,10 @@ class SparseV3Codec(SparseV2Codec):
         """Patch the changes, whose values come class by class (each class's in element
         order), one class at a time."""
         width = bits.dtype.itemsize
-        gaps = []
-        for own in per_class:
-            class_gaps = np.empty(_count(own), np.uint64)
-            mask_gaps(own, class_gaps)
-            gaps.append(class_gaps)
         if header.mode != VALUES_STEP:
-            positions = np.concatenate([np.cumsum(g.view(np.int64) + 1) - 1 for g in gaps])
             values = join_planes(streams, width)
-            if header.mode == VALUES_XOR:
-                bits[positions] ^= values
-            else:
-                bits[positions] = values
+            apply_class_patches(bits, np.stack(per_class), values, header.mode == VALUES_XOR)
             return
-        signs = np.unpackbits(streams[0])[:changed]
         index = magnitude = np.empty(0, np.uint64)
         if header.nonzero:
             at = rice_decode(
@@ -325,27 +309,11 @@ class SparseV3Codec(SparseV2Codec):
             magnitude = rice_decode(
                 streams[3], streams[4], header.value_bits, header.nonzero, header.r_value, what
             )
-            index = np.cumsum(at) + np.arange(1, at.size + 1, dtype=np.uint64) - np.uint64(1)
-            if int(at.max()) >= changed or int(index[-1]) >= changed:
+            if int(at.max()) >= changed:
                 raise CorruptPayload(f"{what} places a magnitude past its last change")
-        start = 0
-        for class_gaps in gaps:
-            stop = start + class_gaps.size
-            lo, hi = np.searchsorted(index, [start, stop])
-            local = index[lo:hi] - np.uint64(start)
-            at_class = np.diff(local, prepend=np.uint64(0))
-            at_class[1:] -= np.uint64(1)
-            error = apply_steps(
-                bits,
-                class_gaps,
-                np.packbits(signs[start:stop]),
-                at_class,
-                magnitude[lo:hi],
-                8 * width,
-            )
-            if error != OK:
-                raise CorruptPayload(f"{what} places a change or magnitude out of its class")
-            start = stop
+            index = np.cumsum(at + np.uint64(1)) - np.uint64(1)
+        if apply_class_steps(bits, np.stack(per_class), streams[0], index, magnitude, 8 * width):
+            raise CorruptPayload(f"{what} places a magnitude past its last change")
 
 
 def _count(words: np.ndarray) -> int:
