@@ -79,7 +79,7 @@ class FleetConfig:
     # corrupted bytes (every `engines // bad_peers`-th agent, the first one included).
     bad_peers: int = 0
     # Agents pass a file on in pieces of this size while it arrives (cut-through): small
-    # next to a version's files, as 8 MiB is next to a real shard.
+    # next to a version's files, as 64 MiB is next to a real shard.
     peer_chunk_bytes: int = 2048
     # Children per peer in the control plane's fetch tree (`TETHER_PEER_FANOUT`): a peer's
     # upload, capped at its link's rate, is shared by that many children.

@@ -84,7 +84,7 @@ class AgentSettings(BaseSettings):
     # The piece a file is passed on in while it arrives (cut-through): the store is read in
     # ranges of this size when peers may be waiting, and uploads are paced in pieces of at
     # most this (and 256 KiB).
-    peer_chunk_bytes: int = Field(default=8 << 20, ge=1024)
+    peer_chunk_bytes: int = Field(default=64 << 20, ge=1024)
     # Other places that hold the store's files under the same keys, tried after the peers
     # and before the store, verified the same way: http(s):// base URLs (an HTTP cache, a
     # Dragonfly or Kraken proxy) or store URLs of a mirror (s3://..., a folder).

@@ -53,7 +53,7 @@ class FileCache:
         # arrive (`partial`), and the store is read in ranges of `chunk_bytes` so that its
         # bytes arrive in pieces too. `on_receiving` hears the key as a file starts to arrive.
         self.streams = False
-        self.chunk_bytes = 8 << 20
+        self.chunk_bytes = 64 << 20
         self.on_receiving: Callable[[str], None] | None = None
         self._partials: dict[str, PartialFile] = {}
         self._partials_lock = threading.Lock()
