@@ -281,15 +281,20 @@ def _measure(config: FleetConfig, work: Path, say: Callable[[str], None]) -> dic
         trainer = Trainer(stack, config)
         boot = work / "boot"
         trainer.boot(boot)
+        procs = max(1, min(config.procs, config.engines))
+        # A fetch holds its thread while its capped link carries the bytes, and a peer
+        # fetch while its parent forwards them: with fewer threads than fetches at once, a
+        # catch-up waits for the pool (and a parent's own fetch behind its children's),
+        # so every process gets at least two per agent it runs.
+        threads = max(config.threads, 2 * math.ceil(config.engines / procs) + 32)
         spec = SwarmSpec(
             engines=config.engines, run=RUN, control_plane=stack.url,
             engine_token=stack.tokens["engine"], store_url=stack.store_url,
             storage_options=dict(stack.s3.storage_options), boot=boot, work=work / "agents",
-            agent_link_mbps=config.agent_link_mbps, threads=config.threads,
+            agent_link_mbps=config.agent_link_mbps, threads=threads,
             start_per_s=config.start_per_s, peers=config.peers, bad_peers=config.bad_peers,
             peer_chunk_bytes=config.peer_chunk_bytes,
         )  # fmt: skip
-        procs = max(1, min(config.procs, config.engines))
         began = time.perf_counter()
         pool = SwarmPool(spec, procs, config.store_egress_mbps)
         pools.append(pool)
@@ -568,7 +573,9 @@ def run(
     agent_link_mbps: float = typer.Option(0.03, help="each agent's link in MB/s"),
     store_egress_mbps: float = typer.Option(0.3, help="the store's egress in MB/s"),
     heartbeat_s: float = typer.Option(5.0, help="heartbeat interval the control plane asks"),
-    threads: int = typer.Option(256, help="fetch worker threads in each swarm process"),
+    threads: int = typer.Option(
+        256, help="fetch worker threads in each swarm process (at least 2 per agent it runs)"
+    ),
     swarm_procs: int = typer.Option(
         0, help="swarm worker processes (0: one per core)", show_default=False
     ),
