@@ -511,7 +511,7 @@ def run(
             speed_pair = (fraction, target)
     if update_rule:
         low, high = TARGET_RANGE
-        for i, fraction in enumerate(float(x) for x in densities.split(",") if x.strip()):
+        for i, fraction in enumerate(fractions):
             if not low <= fraction <= high:
                 continue
             lr = rule_lr(base, fraction, seed + 100 + i)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.bench.bench_json import bench_figures
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -13,16 +14,10 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_codec_bench_prints_its_figures_as_the_last_json_line():
     """A uniform and an update-rule density case and one real-gradient step (with its FP8
     and NVFP4 views), tiny."""
-    done = subprocess.run(
-        [sys.executable, "-m", "bench.codec", "--params", "2e5", "--densities", "0.01",
-         "--warmup-steps", "1", "--rl-lrs", "1e-6", "--rl-steps", "1", "--repeats", "1"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=True,
+    figures = bench_figures(
+        "bench.codec", "--params", "2e5", "--densities", "0.01", "--warmup-steps", "1",
+        "--rl-lrs", "1e-6", "--rl-steps", "1", "--repeats", "1", timeout=600,
     )  # fmt: skip
-    figures = json.loads(done.stdout.strip().splitlines()[-1])
     for key in (
         "worst_sparse_over_xor",
         "worst_sparse_over_entropy",
@@ -53,16 +48,9 @@ def test_codec_bench_prints_its_figures_as_the_last_json_line():
 
 def test_only_two_core_measures_the_speedup_alone():
     """`--only-two-core`: wall ratio, CPU concurrency and efficiency, best and median."""
-    done = subprocess.run(
-        [sys.executable, "-m", "bench.codec", "--params", "2e5", "--only-two-core",
-         "--pairs", "2"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )  # fmt: skip
-    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    figures = bench_figures(
+        "bench.codec", "--params", "2e5", "--only-two-core", "--pairs", "2", timeout=300
+    )
     assert figures["pairs"] == 2 and figures["speedup_density"] == 0.01
     for job in ("encode", "decode"):
         for key in (

@@ -2,26 +2,16 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench.bench_json import bench_figures
+
 TINY = ["--hidden", "128", "--layers", "2", "--heads", "4", "--kv-heads", "2",
         "--head-dim", "32", "--intermediate", "384"]  # fmt: skip
 
 
 def test_refit_bench_prints_its_figures_as_the_last_json_line(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "bench.refit", *TINY, "--work-dir", str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=400,
-        check=True,
-    )
-    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    figures = bench_figures("bench.refit", *TINY, "--work-dir", str(tmp_path), timeout=400)
     for key in ("staging_s", "pause_s", "full_reload_pause_s", "pause_over_full_reload"):
         assert figures[key] > 0, key
     assert figures["requests_during_staging"] >= 0
@@ -39,16 +29,10 @@ def test_refit_bench_prints_its_figures_as_the_last_json_line(tmp_path: Path) ->
 def test_refit_bench_at_fp8_shows_conversion_with_and_without_incremental(
     tmp_path: Path,
 ) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "bench.refit", *TINY, "--precision", "fp8",
-         "--update-fraction", "0.01", "--work-dir", str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=400,
-        check=True,
+    figures = bench_figures(
+        "bench.refit", *TINY, "--precision", "fp8", "--update-fraction", "0.01",
+        "--work-dir", str(tmp_path), timeout=400,
     )  # fmt: skip
-    figures = json.loads(done.stdout.strip().splitlines()[-1])
     assert figures["incremental_conversion"] == "incremental"
     assert figures["convert_positions_from_fold"] > 0  # the stager did not diff the versions
     assert figures["staged_identical"] is True
