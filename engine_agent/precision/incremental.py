@@ -13,7 +13,9 @@ exactly the bytes `convert_tensors` would write, touching only what the change r
   (`weight_scale_2`, shared by q/k/v and gate/up). Only the 16-element groups holding a
   change are requantized. The global amax changes when a changed element exceeds it, or
   when a group that may have held it (its previous scale was 448) changes: the amax is then
-  measured again, and if it moved, the fused group is converted in full.
+  measured again, and if it moved, the fused group is converted in full. A fused group
+  whose global scale is not a finite normal float (an inf weight makes it inf, and a full
+  conversion then codes every element from inf/inf) is always converted in full.
 
 Everything else falls back to a full conversion: no previous state (boot, restart, a
 conversion that raised), unknown positions, a different tensor set or layout, another
@@ -95,6 +97,11 @@ class _Fp8Tensor:
     q: torch.Tensor  # float8_e4m3fn [N, K]
     scale: torch.Tensor  # fp32 [⌈N/128⌉, ⌈K/128⌉]
     threshold: torch.Tensor  # fp32 [tiles]: a changed |x| above it forces a whole-tile redo
+
+
+def _scale_is_normal(scale: float) -> bool:
+    """A finite normal fp32 scale: the only kind the incremental rules hold for."""
+    return _MIN_NORMAL <= scale < float("inf")
 
 
 def _fp8_threshold(amax: torch.Tensor) -> torch.Tensor:
@@ -369,7 +376,7 @@ class IncrementalConverter:
         if _nvfp4_kernel is not None and all(w.dtype == torch.bfloat16 for w in weights.values()):
             return self._nvfp4_group_compiled(state, entry, weights, touched)
         work: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        needs_full = not float(entry.scale_2) >= _MIN_NORMAL
+        needs_full = not _scale_is_normal(float(entry.scale_2))
         maybe_lost_max = False
         for module in group:
             positions = touched.get(f"{module}.weight")
@@ -416,7 +423,7 @@ class IncrementalConverter:
     ) -> int:
         """`_nvfp4_group` with one compiled pass per changed tensor (`nvfp4_kernel`)."""
         assert _nvfp4_kernel is not None
-        needs_full = not float(entry.scale_2) >= _MIN_NORMAL
+        needs_full = not _scale_is_normal(float(entry.scale_2))
         updates: dict[str, tuple[np.ndarray, Any]] = {}
         if entry.code_bounds is None:
             entry.code_bounds = _nvfp4_kernel.new_code_bounds()

@@ -149,6 +149,26 @@ def test_incremental_conversion_is_bit_identical_to_full_over_a_chain_of_updates
 
 
 @pytest.mark.parametrize("precision", ["fp8", "nvfp4"])
+def test_a_tensor_holding_inf_converts_like_a_full_conversion_when_it_changes_again(
+    precision: str,
+) -> None:
+    # Found by the chain property: once an inf makes the fused group's global scale inf,
+    # the full conversion codes every element from inf/inf, so no incremental rule holds.
+    scales = input_scales() if precision == "nvfp4" else None
+    converter = IncrementalConverter(precision)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    tensors = checkpoint()
+    tensors[name].view(-1)[100] = BF16_MAX
+    tensors[name].view(-1)[5000] = float("inf")
+    converter.convert(tensors, CONFIG, None, scales)
+    new = {n: t.clone() for n, t in tensors.items()}
+    new[name].view(-1)[100] = float("inf")
+    new[name].view(-1)[101] = 0.01
+    result = converter.convert(new, CONFIG, diff(tensors, new), scales)
+    assert_identical_to_full(result, new, precision, scales)
+
+
+@pytest.mark.parametrize("precision", ["fp8", "nvfp4"])
 def test_a_sparse_update_is_converted_incrementally(precision: str) -> None:
     scales = input_scales() if precision == "nvfp4" else None
     converter = IncrementalConverter(precision)
