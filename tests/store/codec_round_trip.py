@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
+from store.codecs import workers
 from store.codecs.delta import DeltaCodec
 from store.tensors import RawTensor
 
@@ -22,3 +25,14 @@ def round_trip(codec: DeltaCodec, new: RawTensor, old: RawTensor) -> np.ndarray:
         assert changed is not None
         assert changed.tolist() == np.flatnonzero(new.bits() != old.bits()).tolist()
     return out
+
+
+def encoded_on_one_and_two_threads(encode: Callable[[int], bytes]) -> tuple[bytes, bytes]:
+    """`encode(threads)` run with the codec pools at 1 thread, then at 2 (restored after)."""
+    try:
+        workers.set_threads(1)
+        one = encode(1)
+        workers.set_threads(2)
+        return one, encode(2)
+    finally:
+        workers.set_threads(2)

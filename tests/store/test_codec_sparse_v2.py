@@ -9,7 +9,7 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from store.codecs import encode_version, fold, workers
+from store.codecs import encode_version, fold
 from store.codecs.bitstreams import rice_decode, rice_encode, rice_parameter
 from store.codecs.delta import encode_delta
 from store.codecs.fold import read_manifest
@@ -18,7 +18,7 @@ from store.codecs.sparse_kernels import RICE_SAMPLE, change_mask
 from store.codecs.sparse_v2 import SparseV2Codec
 from store.errors import ChecksumMismatch, CorruptPayload
 from store.tensors import RawTensor
-from tests.store.codec_round_trip import bf16_tensor, round_trip
+from tests.store.codec_round_trip import bf16_tensor, encoded_on_one_and_two_threads, round_trip
 from tests.store.payload_damage import assert_every_truncation_refused, flip_outcomes
 from tests.store.tensor_cases import raw_tensors, successors
 
@@ -92,20 +92,15 @@ def test_one_ulp_steps_cost_about_their_entropy():
 def test_sparse_v2_threads_do_not_change_the_bytes():
     base = {"w": bf16_tensor(np.random.default_rng(4).integers(0, 65536, 3 << 22, dtype=np.uint16))}
     target = {"w": bf16_tensor(moved(base["w"].bits(), 0.01, 5))}
-    try:
-        workers.set_threads(1)
-        one = encode_delta(
-            SparseV2Codec(), target, base, version=1, base_version=0, shard_bytes=2**30
+    one, two = encoded_on_one_and_two_threads(
+        lambda threads: encode_delta(
+            SparseV2Codec(), target, base, version=1, base_version=0, shard_bytes=2**30,
+            workers=threads,
         )
-        workers.set_threads(2)
-        two = encode_delta(
-            SparseV2Codec(), target, base, version=1, base_version=0, shard_bytes=2**30, workers=2
-        )
-        assert one == two
-        assert read_manifest(one).delta_encoding == "sparse-v2"
-        assert np.array_equal(fold(base, [two])["w"].data, target["w"].data)
-    finally:
-        workers.set_threads(2)
+    )  # fmt: skip
+    assert one == two
+    assert read_manifest(one).delta_encoding == "sparse-v2"
+    assert np.array_equal(fold(base, [two])["w"].data, target["w"].data)
 
 
 def test_versions_published_as_sparse_v1_still_fold():

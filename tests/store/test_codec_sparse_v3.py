@@ -9,14 +9,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from store.codecs import encode_version, fold, workers
+from store.codecs import encode_version, fold
 from store.codecs.delta import encode_delta
 from store.codecs.fold import read_manifest
 from store.codecs.sparse_v2 import SparseV2Codec
 from store.codecs.sparse_v3 import FORM_GAPS, SparseV3Codec
 from store.errors import ChecksumMismatch, CorruptPayload
 from store.tensors import RawTensor
-from tests.store.codec_round_trip import bf16_tensor, round_trip
+from tests.store.codec_round_trip import bf16_tensor, encoded_on_one_and_two_threads, round_trip
 from tests.store.payload_damage import assert_every_truncation_refused, flip_outcomes
 from tests.store.tensor_cases import raw_tensors, successors
 
@@ -166,16 +166,12 @@ def test_a_class_where_every_element_changes_costs_no_positions():
 def test_the_sparse_codec_writes_sparse_v3_and_threads_do_not_change_the_bytes():
     base_bits, new_bits = adam_like_step((1 << 22) + 1000, 1e-6, 4)  # two blocks
     base, target = {"w": bf16_tensor(base_bits)}, {"w": bf16_tensor(new_bits)}
-    try:
-        workers.set_threads(1)
-        one = encode_version(target, base, version=1, base_version=0, codec="sparse")
-        workers.set_threads(2)
-        two = encode_version(target, base, version=1, base_version=0, codec="sparse")
-        assert one == two
-        assert read_manifest(one).delta_encoding == "sparse-v3"
-        assert np.array_equal(fold(base, [two])["w"].data, target["w"].data)
-    finally:
-        workers.set_threads(2)
+    one, two = encoded_on_one_and_two_threads(
+        lambda _: encode_version(target, base, version=1, base_version=0, codec="sparse")
+    )
+    assert one == two
+    assert read_manifest(one).delta_encoding == "sparse-v3"
+    assert np.array_equal(fold(base, [two])["w"].data, target["w"].data)
 
 
 def test_versions_published_as_sparse_v2_still_fold():
