@@ -8,13 +8,28 @@ which makes the result independent of how a torch build handles out-of-range cas
 The arithmetic is split into `block_amax`, `scales_from_amax` and `encode` so that the
 incremental converter (`engine_agent.precision.incremental`) recodes a few elements with
 exactly the fp32 operations a full conversion runs: elementwise IEEE division, clamp and
-cast give the same bits whether they run over a whole tensor or a gathered subset.
+cast give the same bits whether they run over a whole tensor or a gathered subset. A BF16
+weight's full conversion runs as one compiled pass (`fp8_kernel.quantize_full`, the same
+operations on the BF16 bits, no fp32 copy); the torch ops stay for other dtypes, for
+environments without numba, and as the reference the tests hold that pass to.
 Must never decide which tensors get quantized (that is `engine_agent.precision.plan`).
 """
 
 from __future__ import annotations
 
+import logging
+from types import ModuleType
+
+import numpy as np
 import torch
+
+log = logging.getLogger(__name__)
+_kernel: ModuleType | None
+try:
+    from engine_agent.precision import fp8_kernel as _kernel
+except ImportError:  # numba missing (an environment installed before it joined the extra)
+    _kernel = None
+    log.warning("numba is not installed: FP8 conversion runs as torch ops, about 1.5x slower")
 
 BLOCK = 128
 E4M3_MAX = 448.0
@@ -79,6 +94,19 @@ def quantize_fp8_block(
     """Return (`weight` as float8_e4m3fn `[N, K]`, `weight_scale_inv` fp32 `[⌈N/b⌉, ⌈K/b⌉]`)."""
     if weight.dim() != 2:
         raise ValueError(f"expected a 2-D Linear weight, found shape {tuple(weight.shape)}")
+    rows, cols = weight.shape
+    if _kernel is not None and weight.dtype == torch.bfloat16 and block == BLOCK and rows:
+        bits = weight.contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1)
+        codes, scale = _kernel.quantize_full(bits, (rows, cols))
+        q = torch.from_numpy(codes).view(torch.float8_e4m3fn).view(rows, cols)
+        return q, torch.from_numpy(scale).view(-(-rows // block), -(-cols // block))
+    return quantize_fp8_block_torch(weight, block)
+
+
+def quantize_fp8_block_torch(
+    weight: torch.Tensor, block: int = BLOCK
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_fp8_block` as torch ops per chunk of block rows (any float dtype)."""
     rows, cols = weight.shape
     q = torch.empty((rows, cols), dtype=torch.float8_e4m3fn)
     scales = []

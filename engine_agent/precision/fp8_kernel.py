@@ -242,3 +242,71 @@ def recode_changes(
     `positions` changed; return how many tiles were requantized whole."""
     rows, cols = shape
     return int(_recode_changes(weight, rows, cols, positions, q, scale, threshold))
+
+
+# fp32 magnitude bits of 448: from here on (inf included) the clamp before the cast gives 448.
+_E4M3_MAX_BITS = 0x43E00000
+_F32_INF_BITS = 0x7F800000
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def e4m3_saturating_code(y: np.float32) -> np.uint8:
+    """The float8_e4m3fn byte of any fp32 clamped to ±448 first (`_encode`'s clamp, then
+    `e4m3_code`), without branches so that a loop over a row of quotients vectorises: every
+    case is computed and the right one selected."""
+    bits = np.int64(_f32_bits(y))
+    sign = bits & 0x80000000
+    magnitude = bits ^ sign
+    odd = (magnitude >> 20) & 1
+    normal = ((magnitude + ((7 - 127) << 23) + 0x7FFFF + odd) >> 20) & 0xFF
+    magic = _bits_f32(np.uint32(_DENORM_MAGIC))
+    summed = np.int64(_f32_bits(_bits_f32(np.uint32(magnitude)) + magic))
+    subnormal = (summed - _DENORM_MAGIC) & 0xFF
+    code = subnormal if magnitude < _NORMAL_FROM else normal
+    code = np.int64(_E4M3_448) if magnitude >= _E4M3_MAX_BITS else code
+    code = np.int64(0x7F) if magnitude > _F32_INF_BITS else code
+    return np.uint8(code | (sign >> 24))
+
+
+@_jit
+def _quantize_full(
+    weight: np.ndarray, rows: int, cols: int, q: np.ndarray, scale: np.ndarray, top: np.ndarray
+) -> None:
+    tiles_per_row = (cols + _BLOCK - 1) >> _BLOCK_SHIFT
+    for r0 in range(0, rows, _BLOCK):
+        r1 = min(r0 + _BLOCK, rows)
+        # Pass 1, each tile's amax as its largest BF16 magnitude bits (magnitudes order as
+        # their bits do; a NaN's bits exceed every number's): integer lanes, no fp32 copy.
+        top[:] = 0
+        for r in range(r0, r1):
+            row = weight[r * cols : (r + 1) * cols]
+            for t in range(tiles_per_row):
+                largest = np.int32(0)
+                for c in range(t * _BLOCK, min(t * _BLOCK + _BLOCK, cols)):
+                    largest = max(largest, np.int32(row[c]) & np.int32(0x7FFF))
+                top[t] = max(top[t], largest)
+        block_scales = scale[(r0 >> _BLOCK_SHIFT) * tiles_per_row :][:tiles_per_row]
+        for t in range(tiles_per_row):
+            # `fp8.scales_from_amax`: amax/448, 1.0 for a zero tile or a NaN amax.
+            amax = bf16_value(np.uint16(top[t]))
+            block_scales[t] = amax / _E4M3_MAX if amax > 0 else np.float32(1.0)
+        # Pass 2, the codes: `fp8.encode`'s IEEE division per element, then the cast.
+        for r in range(r0, r1):
+            row = weight[r * cols : (r + 1) * cols]
+            out = q[r * cols : (r + 1) * cols]
+            for t in range(tiles_per_row):
+                s = block_scales[t]
+                for c in range(t * _BLOCK, min(t * _BLOCK + _BLOCK, cols)):
+                    out[c] = e4m3_saturating_code(bf16_value(row[c]) / s)
+
+
+def quantize_full(weight: np.ndarray, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """Full FP8 block conversion of BF16 `weight` (uint16 bits, flat, shape `shape`) in one
+    compiled pass per 128-row block row: (codes uint8 `[N·K]`, tile scales fp32
+    `[⌈N/128⌉·⌈K/128⌉]`), the bytes `fp8.quantize_fp8_block` gives as torch ops."""
+    rows, cols = shape
+    tiles_per_row = (cols + _BLOCK - 1) >> _BLOCK_SHIFT
+    q = np.empty(rows * cols, np.uint8)
+    scale = np.empty(((rows + _BLOCK - 1) >> _BLOCK_SHIFT) * tiles_per_row, np.float32)
+    _quantize_full(weight, rows, cols, q, scale, np.zeros(tiles_per_row, np.int32))
+    return q, scale

@@ -10,6 +10,10 @@ Owns the quantize/dequantize math for one 2-D weight given its (possibly group-s
   ±6 and rounded to nearest-even on the E2M1 grid;
 - codes are packed two per byte, element 2i in the low nibble (so (0.5, −6) → 0xF1).
 
+A BF16 weight's full conversion runs as one compiled pass over its bits
+(`nvfp4_kernel.quantize_full`: group amax, scale and coding fused, no division per element);
+`encode_groups` (and the torch ops behind it) stays the definition the tests hold it to.
+
 Must never choose the global amax itself: fused groups share it, and that is decided by
 `engine_agent.precision.plan`.
 """
@@ -17,8 +21,10 @@ Must never choose the global amax itself: fused groups share it, and that is dec
 from __future__ import annotations
 
 import logging
+import math
 from types import ModuleType
 
+import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
@@ -150,6 +156,18 @@ def quantize_nvfp4(
         )
     rows, cols = weight.shape
     scale_2 = global_scale(global_amax)
+    # The compiled pass codes by comparing BF16 bits with per-scale bounds found by
+    # bisection, which holds for a finite positive `scale_2` only (an inf or NaN weight
+    # makes it inf or NaN: then the division below decides, as it defines the bytes).
+    if _kernel is not None and weight.dtype == torch.bfloat16 and math.isfinite(scale_2.item()):
+        bits = weight.contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1)
+        codes, scales = _kernel.quantize_full(bits, scale_2.item())
+        block_scale = torch.from_numpy(scales).view(torch.float8_e4m3fn)
+        return (
+            torch.from_numpy(codes).view(rows, cols // 2),
+            block_scale.view(rows, cols // GROUP),
+            scale_2,
+        )
     packed = torch.empty((rows, cols // 2), dtype=torch.uint8)
     block_scale = torch.empty((rows, cols // GROUP), dtype=torch.float8_e4m3fn)
     # About a million elements per step: few torch calls, fp32 scratch near the cache.

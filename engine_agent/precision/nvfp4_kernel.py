@@ -270,3 +270,69 @@ def encode_packed(values: np.ndarray, divisor: np.ndarray) -> np.ndarray:
     out = np.empty((values.shape[0], _GROUP // 2), np.uint8)
     _encode(np.ascontiguousarray(values), np.ascontiguousarray(divisor, np.float32), out)
     return out
+
+
+@_jit
+def _quantize_full(
+    weight: np.ndarray,
+    scale_2: np.float32,
+    packed: np.ndarray,
+    scale_bytes: np.ndarray,
+    code_bounds: np.ndarray,
+) -> None:
+    denominator = np.float32(6.0) * scale_2
+    nibbles = np.empty(_GROUP, np.uint8)
+    # The scale byte is a function of the group's largest magnitude bits alone: computed
+    # (a division and the E4M3 cast) once per distinct pattern met, then looked up. 0xFF,
+    # a negative NaN, is never a scale byte, so it marks a pattern not met yet.
+    scale_of_top = np.full(0x8000, np.uint8(0xFF))
+    # Plain indexing only: a slice per group would cost a reference count update each.
+    for g in range(weight.size // _GROUP):
+        first = g * _GROUP
+        # max |x| as the largest magnitude bit pattern (a NaN's exceed every number's, and
+        # its amax is then NaN, which `nvfp4.group_scales` maps to a scale of 1.0).
+        top = np.int16(0)
+        for j in range(_GROUP):
+            top = max(top, np.int16(weight[first + j] & 0x7FFF))
+        code = scale_of_top[top]
+        if code == 0xFF:
+            amax = bf16_value(np.uint16(top))
+            ideal = amax / denominator if amax > 0 else np.float32(1.0)
+            code = e4m3_code(min(max(ideal, _MIN_SCALE), _MAX_SCALE))
+            scale_of_top[top] = code
+        scale_bytes[g] = code
+        if code_bounds[code, _READY] == 0:
+            _fill_code_bounds(scale_2, code, code_bounds)
+        b0, b1 = np.int16(code_bounds[code, 0]), np.int16(code_bounds[code, 1])
+        b2, b3 = np.int16(code_bounds[code, 2]), np.int16(code_bounds[code, 3])
+        b4, b5 = np.int16(code_bounds[code, 4]), np.int16(code_bounds[code, 5])
+        b6 = np.int16(code_bounds[code, 6])
+        # As `_recode_groups_in_place` codes: how many bounds the magnitude reaches, a NaN
+        # coding 0 and the sign going with a non-zero code only; 16 int16 lanes, one vector.
+        for j in range(_GROUP):
+            w = np.int16(weight[first + j])
+            m = w & np.int16(0x7FFF)
+            c = (
+                np.uint8(m >= b0) + np.uint8(m >= b1) + np.uint8(m >= b2) + np.uint8(m >= b3)
+                + np.uint8(m >= b4) + np.uint8(m >= b5) + np.uint8(m >= b6)
+            ) * np.uint8(m <= _INF_BITS)  # fmt: skip
+            nibbles[j] = c | (np.uint8(w < 0) & np.uint8(c != 0)) << 3
+        base = g * (_GROUP // 2)
+        for j in range(_GROUP // 2):
+            packed[base + j] = nibbles[2 * j] | (nibbles[2 * j + 1] << 4)
+
+
+def quantize_full(
+    weight: np.ndarray, scale_2: float, code_bounds: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Full NVFP4 conversion of BF16 `weight` (uint16 bits, flat, a multiple of 16 long)
+    under a finite `scale_2`, in one compiled pass with no division per element: (packed
+    codes uint8 `[n/2]`, E4M3 scale bytes `[n/16]`), the bytes of `nvfp4.encode_groups`.
+    `code_bounds` (`new_code_bounds`, belonging to `scale_2`) may be shared by the tensors
+    of a fused group; the bisection that fills it assumes `scale_2` is finite."""
+    if code_bounds is None:
+        code_bounds = new_code_bounds()
+    packed = np.empty(weight.size // 2, np.uint8)
+    scale_bytes = np.empty(weight.size // _GROUP, np.uint8)
+    _quantize_full(weight, np.float32(scale_2), packed, scale_bytes, code_bounds)
+    return packed, scale_bytes

@@ -22,7 +22,11 @@ from engine_agent.precision import (
     read_input_scales,
 )
 from engine_agent.precision.checkpoint import read_config, read_tensors
-from engine_agent.precision.fp8 import dequantize_fp8_block, quantize_fp8_block
+from engine_agent.precision.fp8 import (
+    dequantize_fp8_block,
+    quantize_fp8_block,
+    quantize_fp8_block_torch,
+)
 from engine_agent.precision.nvfp4 import (
     dequantize_nvfp4,
     e2m1_codes,
@@ -176,6 +180,67 @@ def test_the_compiled_e4m3_cast_is_torchs_cast_on_every_branch():
     finite = expected[~nan]
     decoded = torch.tensor([float(fp8_kernel.e4m3_value(np.uint8(c))) for c in finite.tolist()])
     assert torch.equal(decoded, finite.view(torch.float8_e4m3fn).to(torch.float32))
+
+
+def test_the_branch_free_e4m3_cast_is_torchs_clamp_and_cast_everywhere():
+    # The full FP8 pass codes each quotient without branches; beyond ±448 (inf included)
+    # it must give what clamping to ±448 and casting gives.
+    values = fp32_cast_probes()
+    expected = values.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
+    found = torch.tensor([int(fp8_kernel.e4m3_saturating_code(np.float32(v))) for v in values])
+    nan = values.isnan()
+    assert torch.equal(found[~nan], expected[~nan].to(torch.int64))
+    assert torch.equal(found[nan], expected[nan].to(torch.int64) | 0x7F)
+
+
+def every_bf16_pattern(finite: bool = False) -> torch.Tensor:
+    """Every BF16 bit pattern once (or every finite one), in a fixed shuffled order."""
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    if finite:
+        bits = bits[(bits & 0x7F80) != 0x7F80]
+    order = torch.randperm(bits.numel(), generator=torch.Generator().manual_seed(7))
+    return bits[order].view(torch.bfloat16)
+
+
+def fp8_tile_cases() -> list[torch.Tensor]:
+    """BF16 weights for the full FP8 pass: every bit pattern (NaN tiles, inf tiles), every
+    finite one in unaligned shapes, and Gaussian tiles whose amax spans normal to subnormal
+    scales, with an inf and a NaN planted in tiles of their own."""
+    spread = weights(128 * 6, 320, seed=3).to(torch.float32)
+    for row, exponent in enumerate((-140, -126, -40, 0, 40, 120)):
+        spread[128 * row : 128 * (row + 1)] *= 2.0**exponent
+    spread = spread.to(torch.bfloat16)
+    spread[0, 300], spread[200, 5] = float("inf"), float("nan")
+    return [
+        every_bf16_pattern().view(256, 256),
+        every_bf16_pattern(finite=True).view(255, 256),
+        every_bf16_pattern(finite=True).view(340, 192),
+        spread,
+    ]
+
+
+def test_compiled_full_fp8_conversion_writes_the_torch_ops_bytes():
+    for weight in fp8_tile_cases():
+        q, scale = quantize_fp8_block(weight)
+        expected_q, expected_scale = quantize_fp8_block_torch(weight)
+        assert torch.equal(q.view(torch.uint8), expected_q.view(torch.uint8))
+        assert torch.equal(scale.view(torch.int32), expected_scale.view(torch.int32))
+
+
+@pytest.mark.parametrize(
+    "global_amax", [0.0, 1e-30, 0.05, 6.0, 2688.0, 3e38, float("inf"), float("nan")]
+)
+def test_compiled_full_nvfp4_conversion_writes_the_fused_encoders_bytes(global_amax):
+    # On every BF16 bit pattern: the compiled pass codes with per-scale bounds instead of a
+    # division; a non-finite global scale (an inf or NaN weight) takes the division path.
+    weight = every_bf16_pattern().view(512, 128)
+    packed, block_scale, scale_2 = quantize_nvfp4(weight, global_amax)
+    expected_codes, expected_scales = encode_groups(
+        weight.to(torch.float32).view(-1, 16), global_scale(global_amax)
+    )
+    assert torch.equal(scale_2.view(torch.int32), global_scale(global_amax).view(torch.int32))
+    assert torch.equal(block_scale.view(torch.uint8).reshape(-1), expected_scales.view(torch.uint8))
+    assert torch.equal(packed.reshape(-1), expected_codes.reshape(-1))
 
 
 def test_nvfp4_group_error_is_bounded_and_requantization_is_bit_identical():
