@@ -63,9 +63,24 @@ def _bits_f32_ir(typingctx: Any, bits: Any) -> Any:
     return types.float32(types.uint32), codegen
 
 
+@intrinsic
+def _divide_ir(typingctx: Any, numerator: Any, denominator: Any) -> Any:
+    """fp32 IEEE division as one LLVM `fdiv`: numba's `/` also tests the divisor for zero
+    (to raise), a branch per element that keeps a loop from vectorising. Zero divisors
+    give inf/NaN as IEEE says, which is what torch's division gives."""
+    if numerator != types.float32 or denominator != types.float32:
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.fdiv(args[0], args[1])
+
+    return types.float32(types.float32, types.float32), codegen
+
+
 # Typed as Any: the intrinsics' Python signatures (with `typingctx`) are not their call's.
 _f32_bits: Any = _f32_bits_ir
 _bits_f32: Any = _bits_f32_ir
+_divide: Any = _divide_ir
 
 
 @_jit
@@ -270,34 +285,41 @@ def e4m3_saturating_code(y: np.float32) -> np.uint8:
 
 @_jit
 def _quantize_full(
-    weight: np.ndarray, rows: int, cols: int, q: np.ndarray, scale: np.ndarray, top: np.ndarray
+    weight: np.ndarray,
+    rows: int,
+    cols: int,
+    q: np.ndarray,
+    scale: np.ndarray,
+    column_top: np.ndarray,
+    column_scale: np.ndarray,
 ) -> None:
     tiles_per_row = (cols + _BLOCK - 1) >> _BLOCK_SHIFT
+    # Inner loops run over whole rows (rows of 2-D arrays: contiguous to the compiler, which
+    # a slice of a flat array is not) with a per-column operand, so that they vectorise.
     for r0 in range(0, rows, _BLOCK):
         r1 = min(r0 + _BLOCK, rows)
-        # Pass 1, each tile's amax as its largest BF16 magnitude bits (magnitudes order as
-        # their bits do; a NaN's bits exceed every number's): integer lanes, no fp32 copy.
-        top[:] = 0
+        # Each tile's amax as its largest BF16 magnitude bits (magnitudes order as their
+        # bits do; a NaN's bits exceed every number's): integer lanes, no fp32 copy.
+        column_top[:] = 0
         for r in range(r0, r1):
-            row = weight[r * cols : (r + 1) * cols]
-            for t in range(tiles_per_row):
-                largest = np.int32(0)
-                for c in range(t * _BLOCK, min(t * _BLOCK + _BLOCK, cols)):
-                    largest = max(largest, np.int32(row[c]) & np.int32(0x7FFF))
-                top[t] = max(top[t], largest)
+            row = weight[r]
+            for c in range(cols):
+                column_top[c] = max(column_top[c], row[c] & np.uint16(0x7FFF))
         block_scales = scale[(r0 >> _BLOCK_SHIFT) * tiles_per_row :][:tiles_per_row]
         for t in range(tiles_per_row):
+            top = np.uint16(0)
+            for c in range(t * _BLOCK, min(t * _BLOCK + _BLOCK, cols)):
+                top = max(top, column_top[c])
             # `fp8.scales_from_amax`: amax/448, 1.0 for a zero tile or a NaN amax.
-            amax = bf16_value(np.uint16(top[t]))
-            block_scales[t] = amax / _E4M3_MAX if amax > 0 else np.float32(1.0)
-        # Pass 2, the codes: `fp8.encode`'s IEEE division per element, then the cast.
+            amax = bf16_value(top)
+            s = amax / _E4M3_MAX if amax > 0 else np.float32(1.0)
+            block_scales[t] = s
+            column_scale[t * _BLOCK : t * _BLOCK + _BLOCK] = s
+        # The codes: `fp8.encode`'s IEEE division per element, then the cast.
         for r in range(r0, r1):
-            row = weight[r * cols : (r + 1) * cols]
-            out = q[r * cols : (r + 1) * cols]
-            for t in range(tiles_per_row):
-                s = block_scales[t]
-                for c in range(t * _BLOCK, min(t * _BLOCK + _BLOCK, cols)):
-                    out[c] = e4m3_saturating_code(bf16_value(row[c]) / s)
+            row, out = weight[r], q[r]
+            for c in range(cols):
+                out[c] = e4m3_saturating_code(_divide(bf16_value(row[c]), column_scale[c]))
 
 
 def quantize_full(weight: np.ndarray, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
@@ -308,5 +330,9 @@ def quantize_full(weight: np.ndarray, shape: tuple[int, int]) -> tuple[np.ndarra
     tiles_per_row = (cols + _BLOCK - 1) >> _BLOCK_SHIFT
     q = np.empty(rows * cols, np.uint8)
     scale = np.empty(((rows + _BLOCK - 1) >> _BLOCK_SHIFT) * tiles_per_row, np.float32)
-    _quantize_full(weight, rows, cols, q, scale, np.zeros(tiles_per_row, np.int32))
+    column_scale = np.empty(tiles_per_row * _BLOCK, np.float32)
+    _quantize_full(
+        weight.reshape(rows, cols), rows, cols, q.reshape(rows, cols), scale,
+        np.empty(cols, np.uint16), column_scale,
+    )  # fmt: skip
     return q, scale
