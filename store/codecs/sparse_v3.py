@@ -33,25 +33,23 @@ from store.codecs.bitstreams import (
 )
 from store.codecs.class_kernels import (
     OK,
-    apply_class_patches,
-    apply_class_steps,
-    changed_mask,
+    append_bits,
+    apply_classes,
+    changed_key_counts,
     choose_classes,
-    class_mask,
-    decode_events,
-    encode_events,
+    class_census,
+    class_events,
+    class_members,
     h2_bits,
     key_counts,
-    positions,
     rice_bits,
 )
 from store.codecs.sparse import join_planes
-from store.codecs.sparse_kernels import gather_changes
+from store.codecs.sparse_kernels import change_mask, gather_changes
 from store.codecs.sparse_v2 import (
+    _GAP,
     VALUES_STEP,
-    VALUES_XOR,
     SparseV2Codec,
-    _changes,
     _check_unary,
     _ValueHeader,
 )
@@ -102,40 +100,51 @@ class SparseV3Codec(SparseV2Codec):
 
     def _encode_either_form(self, new: np.ndarray, old: np.ndarray, shift: int) -> bytes:
         """The class form where it is estimated, and measured, to be smaller; else gaps."""
-        changes = _changes(new, old)
-        plan = self._plan_classes(old, changes[2], shift)
+        changed = np.empty(-(-new.size // 64), np.uint64)
+        k = change_mask(new, old, changed)
+        if k == 0:
+            return bytes((FORM_GAPS, 0))  # an unchanged block is one count either way
+        keymask = _keymask(old.dtype.itemsize)
+        per_bin = np.zeros((keymask >> shift) + 1, np.int64)
+        changed_key_counts(old, changed, keymask, shift, per_bin)
+        plan = self._plan_classes(old, per_bin, shift)
         if plan is None:
-            return bytes((FORM_GAPS,)) + self._encode_changes(new.size, *changes)
+            return self._encode_gaps_from(new, old, changed, k)
         starts, ratio = plan
-        classes = self._encode_classes(new, old, starts, shift)
+        classes = self._encode_classes(new, old, changed, k, per_bin, starts, shift)
         if ratio > _SURE:  # a close call: encode both and keep the smaller
-            gaps_form = bytes((FORM_GAPS,)) + self._encode_changes(new.size, *changes)
+            gaps_form = self._encode_gaps_from(new, old, changed, k)
             if len(gaps_form) <= len(classes):
                 return gaps_form
         return classes
 
+    def _encode_gaps_from(
+        self, new: np.ndarray, old: np.ndarray, changed: np.ndarray, k: int
+    ) -> bytes:
+        """Form 0 from the block's change mask and its count."""
+        gaps = np.empty(k, _GAP)
+        new_values, old_values = np.empty(k, new.dtype), np.empty(k, old.dtype)
+        gather_changes(new, old, changed, gaps, new_values, old_values)
+        return bytes((FORM_GAPS,)) + self._encode_changes(new.size, gaps, new_values, old_values)
+
     def _plan_classes(
-        self, old: np.ndarray, old_values: np.ndarray, shift: int
+        self, old: np.ndarray, per_bin: np.ndarray, shift: int
     ) -> tuple[list[int], float] | None:
         """(the classes' first keys, estimated class bits / gap bits) if classes are
         estimated to save bytes, else None. Elements per exponent come from a strided
-        sample of the base, changes per exponent from the changed elements themselves."""
-        if not old_values.size:
-            return None
+        sample of the base, changes per exponent (`per_bin`) from the changed elements
+        themselves."""
         keymask = _keymask(old.dtype.itemsize)
-        bins = (keymask >> shift) + 1
-        elements = np.zeros(bins, np.int64)
-        changes = np.zeros(bins, np.int64)
+        elements = np.zeros(per_bin.size, np.int64)
         key_counts(old, keymask, shift, max(1, old.size // _SAMPLE), elements)
-        key_counts(old_values, keymask, shift, 1, changes)
-        n, k = float(old.size), float(old_values.size)
+        n, k = float(old.size), float(per_bin.sum())
         # Scaled to the block; a bin holds at least its changes.
-        estimated = np.maximum(elements * (n / max(1, int(elements.sum()))), changes)
+        estimated = np.maximum(elements * (n / max(1, int(elements.sum()))), per_bin)
         gaps_bits = _RICE_SLACK * h2_bits(n, k)
         starts = np.zeros(MAX_CLASSES, np.int64)
         count, class_bits = choose_classes(
             estimated,
-            changes.astype(np.float64),
+            per_bin.astype(np.float64),
             MAX_CLASSES,
             MAX_LIVE,
             _LIVE_HEADER_BITS + _LIVE_BITS_PER_ELEMENT * n,
@@ -147,66 +156,80 @@ class SparseV3Codec(SparseV2Codec):
         return [int(s) << shift for s in starts[:count]], _RICE_SLACK * class_bits / gaps_bits
 
     def _encode_classes(
-        self, new: np.ndarray, old: np.ndarray, starts: list[int], shift: int
+        self,
+        new: np.ndarray,
+        old: np.ndarray,
+        changed: np.ndarray,
+        k: int,
+        per_bin: np.ndarray,
+        starts: list[int],
+        shift: int,
     ) -> bytes:
+        """The class form of a block with `k` changes (`changed`: its change mask).
+
+        Classes without changes (known from `per_bin`, the changes per exponent) cost one
+        byte and no work; the others are classified in one pass over the base
+        (`class_census`) and walked in one more (`class_events`), which also gathers the
+        values class by class: a class's steps are alike (small values move by more ulps),
+        so their magnitudes code smaller."""
         keymask = _keymask(new.dtype.itemsize)
-        words = -(-new.size // 64)
-        changed = np.empty(words, np.uint64)
-        changed_mask(new, old, changed)
-        k = _count(changed)
-        if k == 0:
-            return bytes((FORM_GAPS, 0))  # an unchanged block is one count either way
+        ranges = _class_ranges(starts, keymask)
+        live = [
+            c
+            for c, (lo, width) in enumerate(ranges)
+            if per_bin[lo >> shift : (lo + width) >> shift].any()
+        ]
+        lo = np.array([ranges[c][0] for c in live], new.dtype)
+        width = np.array([ranges[c][1] for c in live], new.dtype)
+        masks = np.empty((len(live), changed.size), np.uint64)
+        members = np.empty(len(live), np.int64)
+        hits = np.empty(len(live), np.int64)
+        class_census(old, changed, np.array([keymask], new.dtype), lo, width, masks, members, hits)
+        complement = 2 * hits > members  # code the unchanged ones: fewer, same walk
+        events = np.where(complement, members - hits, hits)
+        gap_at = np.zeros(len(live) + 1, np.int64)
+        np.cumsum(events, out=gap_at[1:])
+        value_at = np.zeros(len(live) + 1, np.int64)
+        np.cumsum(hits, out=value_at[1:])
+        gaps = np.empty(int(gap_at[-1]), np.uint32)
         new_values, old_values = np.empty(k, new.dtype), np.empty(k, old.dtype)
-        gather_changes(new, old, changed, np.empty(k, np.uint32), new_values, old_values)
-        # Changes per class from the changed elements alone: classes without any cost one
-        # byte and no pass over the block. Values are stored class by class: a class's
-        # steps are alike (small values move by more ulps), so their magnitudes code smaller.
-        by_class_new: list[np.ndarray] = []
-        by_class_old: list[np.ndarray] = []
-        keys = (old_values & old_values.dtype.type(keymask)).astype(np.int64)
-        hits = np.bincount(np.searchsorted(starts, keys, side="right") - 1, minlength=len(starts))
-        mask = np.empty(words, np.uint64)
+        class_events(
+            masks, changed, complement, gap_at, gaps, value_at, new, old, new_values, old_values
+        )
         head = bytearray((len(starts),))  # the form byte: how many classes
         write_varint(k, head)
         head.append(shift)
-        for below, lo in pairwise(starts):
-            write_varint((lo - below) >> shift, head)
-        lows: list[np.ndarray] = []  # each class's low bits and unary bits, unpadded
-        unaries: list[np.ndarray] = []
-        for (lo, width), hit in zip(_class_ranges(starts, keymask), hits.tolist(), strict=True):
-            if not hit:
-                head.append(0)
-                continue
-            class_mask(old, keymask, lo, width, mask)
-            class_new, class_old = np.empty(hit, new.dtype), np.empty(hit, old.dtype)
-            gather_changes(new, old, changed & mask, np.empty(hit, np.uint32), class_new, class_old)
-            by_class_new.append(class_new)
-            by_class_old.append(class_old)
-            members = _count(mask)
-            complement = 2 * hit > members  # code the unchanged ones: fewer, same walk
-            events = members - hit if complement else hit
-            r = 0
-            if events:
-                values = np.empty(events, np.uint32)
-                encode_events(mask, changed, complement, values)
-                r = rice_parameter(values, members)
-                low, unary, unary_bits = rice_encode(values, r)
-                plane = low.reshape(r, -1) if r else low.reshape(0, 1)
-                lows += [np.unpackbits(row)[:events] for row in plane]
-                unaries.append(np.unpackbits(unary)[:unary_bits])
+        for below, at in pairwise(starts):
+            write_varint((at - below) >> shift, head)
+        coded = []  # (r, events, low planes, unary stream, unary bits) per live class
+        fields = dict.fromkeys(range(len(starts)), 0)
+        for j, c in enumerate(live):
+            count = int(events[j])
+            class_gaps = gaps[gap_at[j] : gap_at[j + 1]]
+            r = rice_parameter(class_gaps, int(members[j])) if count else 0
+            if count:
+                coded.append((r, count, *rice_encode(class_gaps, r)))
             # Rice r in the low 5 bits, the complement flag, then the event count; no unary
             # bit count per class: a class's codes end at its events-th one bit.
-            write_varint(events << 6 | int(complement) << 5 | r, head)
-        write_varint(sum(u.size for u in unaries), head)
-        mode, fields, value_streams = self._value_part(
-            np.concatenate(by_class_new), np.concatenate(by_class_old)
-        )
+            fields[c] = count << 6 | int(complement[j]) << 5 | r
+        for c in range(len(starts)):
+            write_varint(fields[c], head)
+        # The classes' low planes and unary codes joined bit to bit, no padding between.
+        low_bits = sum(r * count for r, count, *_ in coded)
+        unary_bits = sum(bits for *_, bits in coded)
+        low = np.zeros(-(-low_bits // 8), np.uint8)
+        unary = np.zeros(-(-unary_bits // 8), np.uint8)
+        low_at = unary_at = 0
+        for r, count, planes, codes, bits in coded:
+            plane = -(-count // 8)
+            for j in range(r):
+                low_at = append_bits(low, low_at, planes[j * plane : (j + 1) * plane], count)
+            unary_at = append_bits(unary, unary_at, codes, bits)
+        write_varint(unary_bits, head)
+        mode, value_fields, value_streams = self._value_part(new_values, old_values)
         head.append(mode)
-        head += fields
-        joined = [
-            np.packbits(np.concatenate([np.empty(0, np.uint8), *part])) for part in (lows, unaries)
-        ]
-        return self._finish_block(head, [*joined, *value_streams])
+        head += value_fields
+        return self._finish_block(head, [low, unary, *value_streams])
 
     def _block_changes(self, block: bytes) -> int:
         return read_varint(block, 1, "block")[0]
@@ -257,51 +280,120 @@ class SparseV3Codec(SparseV2Codec):
         )
         sizes = [-(-low_bits // 8), -(-unary_bits // 8)]
         streams = self._read_streams(block, offset, sizes + values.sizes, what)
-        words = -(-bits.size // 64)
-        changed_words = np.zeros(words, np.uint64)
-        mask = np.empty(words, np.uint64)
-        per_class: list[np.ndarray] = []  # each class's changes, as bits
+        gaps = np.empty(total_events, np.uint64)
+        live: list[tuple[int, int, bool]] = []  # (lo, width, complement) of classes with changes
+        counts: list[int] = []  # their changes; -1 for a complement class, settled below
+        gap_at = [0]
         low_at = unary_at = 0
         for lo, width, events, complement, r in classes:
             if not events and not complement:
                 continue
-            class_mask(bits, keymask, lo, width, mask)
-            gaps = np.empty(events, np.uint64)
             if events:
-                unary_at = rice_bits(streams[0], low_at, streams[1], unary_at, unary_bits, r, gaps)
+                own = gaps[gap_at[-1] : gap_at[-1] + events]
+                unary_at = rice_bits(streams[0], low_at, streams[1], unary_at, unary_bits, r, own)
                 if unary_at < 0:
                     raise CorruptPayload(f"{what}: its unary stream ends inside a class's codes")
                 low_at += r * events
-            own = np.zeros(words, np.uint64)
-            if decode_events(mask, gaps, complement, own) != OK:
-                raise CorruptPayload(f"{what} places a change past the end of its class")
-            per_class.append(own)
-            changed_words |= own
+            live.append((lo, width, complement))
+            counts.append(-1 if complement else events)
+            gap_at.append(gap_at[-1] + events)
         if unary_at != unary_bits:
             raise CorruptPayload(f"{what}: its unary stream holds more than its classes' codes")
+        keymask_of = np.array([keymask], bits.dtype)
+        lo_of = np.array([lo for lo, _, _ in live], bits.dtype)
+        width_of = np.array([width for _, width, _ in live], bits.dtype)
+        self._settle_counts(bits, keymask_of, lo_of, width_of, counts, gap_at, changed, what)
+        value_at = np.zeros(len(live) + 1, np.int64)
+        np.cumsum(counts, out=value_at[1:])
         found = np.empty(changed, np.int64)
-        if positions(changed_words, found) != changed:
-            raise CorruptPayload(f"{what} declares {changed} changes but its classes hold others")
-        self._apply_class_values(bits, per_class, changed, values, streams[2:], what)
+        error = self._apply_class_values(
+            bits,
+            keymask_of,
+            lo_of,
+            width_of,
+            np.array([c for _, _, c in live], np.bool_),
+            gaps,
+            np.array(gap_at, np.int64),
+            value_at,
+            values,
+            streams[2:],
+            found,
+            what,
+        )
+        if error != OK:
+            raise CorruptPayload(
+                f"{what} places a change past the end of its class, or its classes hold "
+                f"other than {changed} changes"
+            )
         return found
+
+    def _settle_counts(
+        self,
+        bits: np.ndarray,
+        keymask: np.ndarray,
+        lo: np.ndarray,
+        width: np.ndarray,
+        counts: list[int],
+        gap_at: list[int],
+        changed: int,
+        what: str,
+    ) -> None:
+        """Fill in a complement class's change count (its members less its events): the
+        block's count less the others' where it is the only one, else by counting its
+        members (a pass over the block, rare: two classes that mostly change)."""
+        open_ = [c for c, count in enumerate(counts) if count < 0]
+        for c in open_[:-1] if len(open_) > 1 else []:
+            members = class_members(bits, keymask, lo[c : c + 1], width[c : c + 1])
+            counts[c] = members - (gap_at[c + 1] - gap_at[c])
+        if open_:
+            last = open_[-1]
+            counts[last] = 0
+            counts[last] = changed - sum(counts)
+        if any(count < 0 for count in counts) or sum(counts) != changed:
+            raise CorruptPayload(f"{what} declares {changed} changes but its classes hold others")
 
     def _apply_class_values(
         self,
         bits: np.ndarray,
-        per_class: list[np.ndarray],
-        changed: int,
+        keymask: np.ndarray,
+        lo: np.ndarray,
+        widths: np.ndarray,
+        complement: np.ndarray,
+        gaps: np.ndarray,
+        gap_at: np.ndarray,
+        value_at: np.ndarray,
         header: _ValueHeader,
         streams: list[np.ndarray],
+        found: np.ndarray,
         what: str,
-    ) -> None:
-        """Patch the changes, whose values come class by class (each class's in element
-        order), one class at a time."""
+    ) -> int:
+        """Place every class's changes and patch their values (stored class by class, each
+        class's in element order) in one pass (`apply_classes`); its error code."""
         width = bits.dtype.itemsize
+        none = np.empty(0, np.uint64)
         if header.mode != VALUES_STEP:
             values = join_planes(streams, width)
-            apply_class_patches(bits, np.stack(per_class), values, header.mode == VALUES_XOR)
-            return
-        index = magnitude = np.empty(0, np.uint64)
+            return int(
+                apply_classes(
+                    bits,
+                    keymask,
+                    lo,
+                    widths,
+                    complement,
+                    gaps,
+                    gap_at,
+                    value_at,
+                    header.mode,
+                    values,
+                    np.empty(0, np.uint8),
+                    none,
+                    none,
+                    8 * width,
+                    found,
+                )
+            )
+        index = magnitude = none
+        changed = found.size
         if header.nonzero:
             at = rice_decode(
                 streams[1], streams[2], header.gap_bits, header.nonzero, header.r_gap, what
@@ -312,10 +404,22 @@ class SparseV3Codec(SparseV2Codec):
             if int(at.max()) >= changed:
                 raise CorruptPayload(f"{what} places a magnitude past its last change")
             index = np.cumsum(at + np.uint64(1)) - np.uint64(1)
-        if apply_class_steps(bits, np.stack(per_class), streams[0], index, magnitude, 8 * width):
-            raise CorruptPayload(f"{what} places a magnitude past its last change")
-
-
-def _count(words: np.ndarray) -> int:
-    """Set bits in an array of uint64 words."""
-    return int(np.bitwise_count(words).sum())
+        return int(
+            apply_classes(
+                bits,
+                keymask,
+                lo,
+                widths,
+                complement,
+                gaps,
+                gap_at,
+                value_at,
+                VALUES_STEP,
+                np.empty(0, bits.dtype),
+                streams[0],
+                index,
+                magnitude,
+                8 * width,
+                found,
+            )
+        )
