@@ -1,13 +1,17 @@
 """The compiled inner loops of `sparse-v3`: positions counted within classes of the base.
 
-Owns the numba kernels that `sparse_v3` builds its position streams with: class bit masks
-(which elements of a block have a base value whose magnitude key lies in a range), the
-changes' gaps counted among one class's elements and their inverse, the sampled counts the
-encoder picks classes from, and the choice of classes itself. A class mask is one
-vectorised compare per element (about 0.1 ns per element per class, the same code the
-compiler turns into SIMD compares), and a class's gaps are walked with a popcount per
-64-element word and a bit scan per change, never a branch per element, so a class-coded
-block applies at memory speed plus about n/64 popcounts per class.
+Owns the numba kernels that `sparse_v3` builds and reads its class-form blocks with: the
+classes' member masks (which elements of a block have a base value whose magnitude key lies
+in a class's range), the encoder's one classification pass (`class_census`) and one walk
+(`class_events`: every class's gaps and its values in class order), the decoder's single
+pass (`apply_classes`: masks, events and values together), the sampled counts the encoder
+picks classes from, and the choice of classes itself.
+
+The block is read once per pass whatever the number of classes: per 4096-element chunk
+every class's masks are built with one vector compare per 64 elements (`word_mask`, about
+0.03 ns per element per class) while the chunk is in L1. Events are placed by their rank
+among a word's members (`select64`, broadword, no per-bit loop), each rank the previous
+one plus its gap plus one, so consecutive selects do not wait on each other.
 
 Kernels never raise: decoders return an error code that `sparse_v3` turns into
 `CorruptPayload`. They never interpret payload headers or allocate per element.
@@ -85,8 +89,7 @@ select64 = _jit(_select64_py)
 CHUNK = 4096  # elements classified per step: their masks stay in L1 while walked
 
 
-@intrinsic
-def word_mask(typingctx: Any, keys: Any, at: Any, keymask: Any, lo: Any, width: Any) -> Any:
+def _word_mask(typingctx: Any, keys: Any, at: Any, keymask: Any, lo: Any, width: Any) -> Any:
     """Bit t = lo <= (keys[at + t] & keymask) < lo + width for t < 64, compared in the
     elements' own width (the difference wraps, so one unsigned compare tests both ends).
 
@@ -101,7 +104,7 @@ def word_mask(typingctx: Any, keys: Any, at: Any, keymask: Any, lo: Any, width: 
         or not isinstance(keys.dtype, types.Integer)
     ):
         return None
-    element = keys.dtype
+    element: Any = keys.dtype
     bits = element.bitwidth
     signature = types.uint64(keys, types.intp, element, element, element)
 
@@ -123,6 +126,9 @@ def word_mask(typingctx: Any, keys: Any, at: Any, keymask: Any, lo: Any, width: 
         return builder.bitcast(inside, ir.IntType(64))
 
     return signature, codegen
+
+
+word_mask: Any = intrinsic(_word_mask)
 
 
 def _chunk_masks_py(
@@ -211,16 +217,16 @@ def _class_events_py(
                 continue
             own = m & ch
             e = m & ~ch if complement[c] else own
-            r = run[c]
+            # Gaps from each event's rank among the word's members: independent popcounts.
+            last = -1 - run[c]  # rank of the class's previous event, counted from this word
             j = g[c]
             while e:
-                low = e & (np.uint64(0) - e)
-                gaps[j] = r + popcount(m & (low - np.uint64(1)))
+                rank = popcount(m & ((e & (np.uint64(0) - e)) - np.uint64(1)))
+                gaps[j] = rank - last - 1
+                last = rank
                 j += 1
-                r = 0
-                m &= ~(low | (low - np.uint64(1)))
                 e &= e - np.uint64(1)
-            run[c] = r + popcount(m)
+            run[c] = popcount(m) - 1 - last
             g[c] = j
             j = v[c]
             start = w * 64
@@ -260,11 +266,14 @@ def _class_members_py(
 ) -> int:
     """Elements of `bits` whose magnitude key lies in [lo[0], lo[0] + width[0])."""
     km = keymask[0]
+    full = bits.size // 64
+    count = 0
+    for w in range(full):
+        count += popcount(word_mask(bits, 64 * w, km, lo[0], width[0]))
     low = np.uint64(lo[0])
     wide = np.uint64(width[0])
-    count = 0
-    for i in range(bits.size):
-        count += np.uint64(bits[i] & km) - low < wide
+    for i in range(full * 64, bits.size):
+        count += int(np.uint64(bits[i] & km) - low < wide)
     return count
 
 
@@ -303,21 +312,25 @@ def _apply_classes_py(
     masks = np.empty((classes, CHUNK // 64), np.uint64)
     ev = gap_at[:classes].copy()  # each class's next event
     pending = np.zeros(classes, np.uint64)  # members to pass before it
+    limit = np.uint64(bits.size)  # no gap is longer: refused, so ranks never wrap
     cursor = value_at[:classes].copy()  # each class's next value
     next_at = np.zeros(classes, np.int64)  # its first magnitude index not yet used
     for c in range(classes):
         if ev[c] < gap_at[c + 1]:
             pending[c] = gaps[ev[c]]
+            if pending[c] >= limit:
+                return ERR_EVENTS
         start = value_at[c]
         a = 0
-        b = index.size
-        while a < b:  # first magnitude index >= start
-            mid = (a + b) // 2
+        above = index.size
+        while a < above:  # first magnitude index >= start
+            mid = (a + above) // 2
             if index[mid] < np.uint64(start):
                 a = mid + 1
             else:
-                b = mid
+                above = mid
         next_at[c] = a
+    no_index = np.uint64(0xFFFFFFFFFFFFFFFF)
     out = 0
     used = 0
     for chunk_start in range(0, bits.size, CHUNK):
@@ -333,22 +346,21 @@ def _apply_classes_py(
                 i = ev[c]
                 end = gap_at[c + 1]
                 if i < end:
-                    m = m0
-                    g = pending[c]
-                    pc = np.uint64(popcount(m))
-                    while g < pc:
-                        low = np.uint64(1) << np.uint64(select64(m, g))
-                        e |= low
-                        m &= ~(low | (low - np.uint64(1)))
+                    # Event ranks among the word's members: each the previous one plus
+                    # its gap plus one, so the selects do not wait on each other.
+                    rank = pending[c]
+                    pc = np.uint64(popcount(m0))
+                    while rank < pc:
+                        e |= np.uint64(1) << np.uint64(select64(m0, rank))
                         i += 1
                         if i == end:
                             break
                         g = gaps[i]
-                        pc = np.uint64(popcount(m))
-                    if i < end:
-                        g -= pc
+                        if g >= limit:
+                            return ERR_EVENTS
+                        rank += g + np.uint64(1)
                     ev[c] = i
-                    pending[c] = g
+                    pending[c] = rank - pc
                 own = m0 & ~e if complement[c] else e
                 if not own:
                     continue
@@ -356,30 +368,40 @@ def _apply_classes_py(
                 j = cursor[c]
                 if j + popcount(own) > value_at[c + 1]:
                     return ERR_EVENTS
-                while own:
-                    pos = base + trailing_zeros(own)
-                    own &= own - np.uint64(1)
-                    if mode == 2:
+                if mode == 2:
+                    # The class's next magnitude: its change index, or none.
+                    a = next_at[c]
+                    marked = index[a] if a < index.size else no_index
+                    while own:
+                        pos = base + trailing_zeros(own)
+                        own &= own - np.uint64(1)
                         step = np.uint64(1)
-                        a = next_at[c]
-                        if a < index.size and index[a] == np.uint64(j):
+                        if marked == np.uint64(j):
                             step += np.uint64(magnitudes[a]) + np.uint64(1)
-                            next_at[c] = a + 1
-                            used += 1
+                            a += 1
+                            marked = index[a] if a < index.size else no_index
                         b = np.uint64(bits[pos])
                         key = b ^ full if b & top else b ^ top
                         sub = np.uint64(0) - np.uint64((down[j >> 3] >> (7 - (j & 7))) & 1)
                         key = (key + step - ((step << np.uint64(1)) & sub)) & full
                         bits[pos] = key ^ top if key & top else key ^ full
-                    elif mode == 1:
-                        bits[pos] ^= values[j]
-                    else:
-                        bits[pos] = values[j]
-                    j += 1
+                        j += 1
+                    used += a - next_at[c]
+                    next_at[c] = a
+                elif mode == 1:
+                    while own:
+                        bits[base + trailing_zeros(own)] ^= values[j]
+                        own &= own - np.uint64(1)
+                        j += 1
+                else:
+                    while own:
+                        bits[base + trailing_zeros(own)] = values[j]
+                        own &= own - np.uint64(1)
+                        j += 1
                 cursor[c] = j
+            if out + popcount(union) > found.size:
+                return ERR_EVENTS
             while union:
-                if out >= found.size:
-                    return ERR_EVENTS
                 found[out] = base + trailing_zeros(union)
                 union &= union - np.uint64(1)
                 out += 1

@@ -11,7 +11,8 @@ sparse-v2's order-0 H(changed) (measured: a third less on real AdamW steps).
 
 The encoder estimates both costs per block from sampled counts and writes the class form
 only where it saves bytes; elsewhere the block is a sparse-v2 block behind one form byte, so
-the slower apply (one SIMD mask pass per class with changes) is paid only where it pays.
+the class form's extra work (classifying every element of the block) is paid only where it
+pays. Both directions classify a block in one pass and walk it once for all classes.
 Values (sign and magnitude, or NEW/XOR planes) are sparse-v2's streams. Kernels:
 `store.codecs.class_kernels`. Layout: `docs/format.md` §5b. Never reads or writes anything
 but the arrays it is given.
@@ -59,12 +60,12 @@ from store.tensors import RawTensor
 TAG = 0x33  # "3"
 FORM_GAPS = 0  # a block's first byte: 0 = a sparse-v2 block follows, else its class count
 MAX_CLASSES = 12
-MAX_LIVE = 5  # classes with changes: each costs the decoder one mask pass over the block
+MAX_LIVE = 5  # classes with changes: each costs the decoder a compare per element and a walk
 # Mantissa bits per float dtype: the magnitude key >> this is the biased exponent, the
 # coarsest bins the encoder groups into classes. Other dtypes are coded as sparse-v2.
 MANTISSA_BITS = {"BF16": 7, "F16": 10, "F32": 23, "F8_E4M3": 3, "F8_E5M2": 2}
 _SAMPLE = 1 << 14  # base elements whose exponents the encoder counts per block (strided)
-_LIVE_BITS_PER_ELEMENT = 1 / 8192  # a live class's mask pass, priced in bits per element
+_LIVE_BITS_PER_ELEMENT = 1 / 8192  # a live class's decode work, priced in bits per element
 _LIVE_HEADER_BITS = 16.0  # a live class's events, Rice parameter and unary count
 _CLASS_BITS = 16.0  # a class's threshold and event count
 _RICE_SLACK = 1.03  # Rice codes spend ~3 % over n·H2(k/n) at these densities
