@@ -371,40 +371,23 @@ class SparseV3Codec(SparseV2Codec):
         """Place every class's changes and patch their values (stored class by class, each
         class's in element order) in one pass (`apply_classes`); its error code."""
         width = bits.dtype.itemsize
-        none = np.empty(0, np.uint64)
+        values = np.empty(0, bits.dtype)
+        down = np.empty(0, np.uint8)
+        index = magnitude = np.empty(0, np.uint64)
         if header.mode != VALUES_STEP:
             values = join_planes(streams, width)
-            return int(
-                apply_classes(
-                    bits,
-                    keymask,
-                    lo,
-                    widths,
-                    complement,
-                    gaps,
-                    gap_at,
-                    value_at,
-                    header.mode,
-                    values,
-                    np.empty(0, np.uint8),
-                    none,
-                    none,
-                    8 * width,
-                    found,
+        else:
+            down = streams[0]
+            if header.nonzero:
+                at = rice_decode(
+                    streams[1], streams[2], header.gap_bits, header.nonzero, header.r_gap, what
                 )
-            )
-        index = magnitude = none
-        changed = found.size
-        if header.nonzero:
-            at = rice_decode(
-                streams[1], streams[2], header.gap_bits, header.nonzero, header.r_gap, what
-            )
-            magnitude = rice_decode(
-                streams[3], streams[4], header.value_bits, header.nonzero, header.r_value, what
-            )
-            if int(at.max()) >= changed:
-                raise CorruptPayload(f"{what} places a magnitude past its last change")
-            index = np.cumsum(at + np.uint64(1)) - np.uint64(1)
+                magnitude = rice_decode(
+                    streams[3], streams[4], header.value_bits, header.nonzero, header.r_value, what
+                )
+                if int(at.max()) >= found.size:
+                    raise CorruptPayload(f"{what} places a magnitude past its last change")
+                index = np.cumsum(at + np.uint64(1)) - np.uint64(1)
         return int(
             apply_classes(
                 bits,
@@ -415,9 +398,9 @@ class SparseV3Codec(SparseV2Codec):
                 gaps,
                 gap_at,
                 value_at,
-                VALUES_STEP,
-                np.empty(0, bits.dtype),
-                streams[0],
+                header.mode,
+                values,
+                down,
                 index,
                 magnitude,
                 8 * width,
