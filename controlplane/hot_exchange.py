@@ -87,6 +87,38 @@ def start(protocol: HttpToolsProtocol, on_complete: Callable[[], None]) -> bool:
     return True
 
 
+class Wakeup:
+    """The protocol's `message_event` for an exchange: asyncio.Event's `set`, `clear`,
+    `is_set` and `wait`, with the event itself made only once something waits. A request
+    routed without a task is never waited on; the protocol still sets this twice."""
+
+    __slots__ = ("_event", "_flag")
+
+    def __init__(self) -> None:
+        self._flag = False
+        self._event: asyncio.Event | None = None
+
+    def set(self) -> None:
+        self._flag = True
+        if self._event is not None:
+            self._event.set()
+
+    def clear(self) -> None:
+        self._flag = False
+        if self._event is not None:
+            self._event.clear()
+
+    def is_set(self) -> bool:
+        return self._flag
+
+    async def wait(self) -> None:
+        if self._event is None:
+            self._event = asyncio.Event()
+            if self._flag:
+                self._event.set()
+        await self._event.wait()
+
+
 class HotExchange:
     """One hot request and its answer on one connection."""
 
@@ -108,7 +140,7 @@ class HotExchange:
         # The protocol's view of its current request (see the module docstring).
         self.body = bytearray()
         self.more_body = True
-        self.message_event = asyncio.Event()
+        self.message_event = Wakeup()
         self.response_complete = False
         self.disconnected = False
         self.keep_alive = keep_alive

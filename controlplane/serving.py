@@ -15,6 +15,7 @@ from typing import Any
 
 import orjson
 import uvicorn
+from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from controlplane import hot_exchange
@@ -65,13 +66,26 @@ class CappedHttpTools(HttpToolsProtocol):
                 self._refuse()
 
     def on_message_begin(self) -> None:
-        super().on_message_begin()
+        # uvicorn's ASGI scope (two dicts and a copy of the app state per request) is built
+        # only for a request the hot exchange leaves to ASGI (`_asgi_scope`); until the head
+        # is complete nothing reads it.
+        self.url = b""
+        self.expect_100_continue = False
+        self.headers = []
         self._in_head = True
+
+    def _asgi_scope(self) -> None:
+        """uvicorn's own start of a request, keeping the URL and headers parsed since."""
+        url, headers, expect = self.url, self.headers, self.expect_100_continue
+        super().on_message_begin()
+        self.url, self.expect_100_continue = url, expect
+        self.headers.extend(headers)  # the list the new scope holds
 
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._head_bytes = 0
         if not hot_exchange.start(self, self.hot_response_complete):
+            self._asgi_scope()
             super().on_headers_complete()
 
     def _unset_keepalive_if_required(self) -> None:
@@ -89,16 +103,31 @@ class CappedHttpTools(HttpToolsProtocol):
             cycle.gone_before_body()
 
     def on_body(self, body: bytes) -> None:
-        super().on_body(body)
-        cycle = self.cycle
-        if isinstance(cycle, hot_exchange.HotExchange) and self.flow.read_paused:
+        cycle: object = self.cycle
+        if not isinstance(cycle, hot_exchange.HotExchange):
+            super().on_body(body)
+            return
+        # uvicorn's steps for its own cycle, less the upgrade check: the exchange never
+        # takes an upgrade.
+        if cycle.response_complete:
+            return
+        cycle.body += body
+        if len(cycle.body) > HIGH_WATER_LIMIT:
+            self.flow.pause_reading()
+        cycle.message_event.set()
+        if self.flow.read_paused:
             cycle.body_past_buffer()
 
     def on_message_complete(self) -> None:
-        super().on_message_complete()
-        cycle = self.cycle
-        if isinstance(cycle, hot_exchange.HotExchange):
-            cycle.body_complete()
+        cycle: object = self.cycle
+        if not isinstance(cycle, hot_exchange.HotExchange):
+            super().on_message_complete()
+            return
+        if cycle.response_complete:
+            return
+        cycle.more_body = False
+        cycle.message_event.set()
+        cycle.body_complete()
 
     def hot_response_complete(self) -> None:
         """The hot exchange's answer is out: what uvicorn does when a response completes
