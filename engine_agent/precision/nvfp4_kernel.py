@@ -32,6 +32,7 @@ _B250, _B350, _B500 = np.float32(2.5), np.float32(3.5), np.float32(5.0)
 _MIN_SCALE = np.float32(2.0**-9)  # `nvfp4.E4M3_MIN_SUBNORMAL`
 _MAX_SCALE = np.float32(448.0)
 _CHUNK = 512  # distinct groups gathered per step (their scratch stays in L1)
+_TOPS_PER_STEP = 512  # groups whose amax a full conversion finds per step (scratch in L1)
 # cache=True: the compiled code is kept on disk, so each process (engine agents, tests)
 # pays the ~1 s compilation once per machine rather than at every first conversion.
 _jit = numba.njit(cache=True, nogil=True)
@@ -273,6 +274,26 @@ def encode_packed(values: np.ndarray, divisor: np.ndarray) -> np.ndarray:
 
 
 @_jit
+def _group_tops(weight: np.ndarray, first: int, count: int, scratch: np.ndarray) -> None:
+    """Largest magnitude bits of `count` groups from group `first` into `scratch[14·T:]`
+    (T = `_TOPS_PER_STEP`): max |x| per group, as bits (magnitudes order as their bits do;
+    a NaN's exceed every number's). Pairwise maxima level by level, 16 → 8 → 4 → 2 → 1,
+    the levels at 0, 8·T, 12·T and 14·T: each a contiguous loop the compiler vectorises,
+    where a maximum within each group is a horizontal reduction that it does not."""
+    start = first * _GROUP
+    for i in range(count * 8):
+        a = weight[start + 2 * i] & np.uint16(0x7FFF)
+        scratch[i] = max(a, weight[start + 2 * i + 1] & np.uint16(0x7FFF))
+    four, two, one = 8 * _TOPS_PER_STEP, 12 * _TOPS_PER_STEP, 14 * _TOPS_PER_STEP
+    for i in range(count * 4):
+        scratch[four + i] = max(scratch[2 * i], scratch[2 * i + 1])
+    for i in range(count * 2):
+        scratch[two + i] = max(scratch[four + 2 * i], scratch[four + 2 * i + 1])
+    for i in range(count):
+        scratch[one + i] = max(scratch[two + 2 * i], scratch[two + 2 * i + 1])
+
+
+@_jit
 def _quantize_full(
     weight: np.ndarray,
     scale_2: np.float32,
@@ -282,21 +303,24 @@ def _quantize_full(
 ) -> None:
     denominator = np.float32(6.0) * scale_2
     nibbles = np.empty(_GROUP, np.uint8)
+    scratch = np.empty(15 * _TOPS_PER_STEP, np.uint16)
+    tops = scratch[14 * _TOPS_PER_STEP :]
     # The scale byte is a function of the group's largest magnitude bits alone: computed
     # (a division and the E4M3 cast) once per distinct pattern met, then looked up. 0xFF,
     # a negative NaN, is never a scale byte, so it marks a pattern not met yet.
     scale_of_top = np.full(0x8000, np.uint8(0xFF))
+    groups = weight.size // _GROUP
     # Plain indexing only: a slice per group would cost a reference count update each.
-    for g in range(weight.size // _GROUP):
+    for g in range(groups):
         first = g * _GROUP
-        # max |x| as the largest magnitude bit pattern (a NaN's exceed every number's, and
-        # its amax is then NaN, which `nvfp4.group_scales` maps to a scale of 1.0).
-        top = np.int16(0)
-        for j in range(_GROUP):
-            top = max(top, np.int16(weight[first + j] & 0x7FFF))
+        k = g % _TOPS_PER_STEP
+        if k == 0:
+            _group_tops(weight, g, min(_TOPS_PER_STEP, groups - g), scratch)
+        top = tops[k]
         code = scale_of_top[top]
         if code == 0xFF:
-            amax = bf16_value(np.uint16(top))
+            # `nvfp4.group_scales`: amax/(6·scale_2), 1.0 for a zero or NaN amax, clamped.
+            amax = bf16_value(top)
             ideal = amax / denominator if amax > 0 else np.float32(1.0)
             code = e4m3_code(min(max(ideal, _MIN_SCALE), _MAX_SCALE))
             scale_of_top[top] = code

@@ -233,14 +233,17 @@ def test_compiled_full_fp8_conversion_writes_the_torch_ops_bytes():
 def test_compiled_full_nvfp4_conversion_writes_the_fused_encoders_bytes(global_amax):
     # On every BF16 bit pattern: the compiled pass codes with per-scale bounds instead of a
     # division; a non-finite global scale (an inf or NaN weight) takes the division path.
-    weight = every_bf16_pattern().view(512, 128)
-    packed, block_scale, scale_2 = quantize_nvfp4(weight, global_amax)
-    expected_codes, expected_scales = encode_groups(
-        weight.to(torch.float32).view(-1, 16), global_scale(global_amax)
-    )
-    assert torch.equal(scale_2.view(torch.int32), global_scale(global_amax).view(torch.int32))
-    assert torch.equal(block_scale.view(torch.uint8).reshape(-1), expected_scales.view(torch.uint8))
-    assert torch.equal(packed.reshape(-1), expected_codes.reshape(-1))
+    # 4,096 groups, then 4,092: the pass finds group amaxes 512 groups at a time.
+    for weight in (every_bf16_pattern().view(512, 128), every_bf16_pattern()[:-64].view(-1, 96)):
+        packed, block_scale, scale_2 = quantize_nvfp4(weight, global_amax)
+        expected_codes, expected_scales = encode_groups(
+            weight.to(torch.float32).view(-1, 16), global_scale(global_amax)
+        )
+        assert torch.equal(scale_2.view(torch.int32), global_scale(global_amax).view(torch.int32))
+        assert torch.equal(
+            block_scale.view(torch.uint8).reshape(-1), expected_scales.view(torch.uint8)
+        )
+        assert torch.equal(packed.reshape(-1), expected_codes.reshape(-1))
 
 
 def test_nvfp4_group_error_is_bounded_and_requantization_is_bit_identical():
