@@ -1,11 +1,12 @@
 """The compiled inner loops of `sparse-v2`: finding changes, Rice packing, applying steps.
 
-Owns four numba kernels over one block of elements (unsigned ints of the element width).
+Owns the numba kernels over one block of elements (unsigned ints of the element width).
 As chains of numpy passes (compare, flatnonzero, diff, gather, per-plane packbits, cumsum,
 scatter) each changed element was read and written ten to twenty times, which held encode
 near 0.6 and apply near 1.4 GB/s per core at 10 % density; one pass per stream keeps each
-element in registers. The kernels release the GIL (`nogil`), so the codec's thread pools
-run blocks and tensors on every core.
+element in registers, and a STEP block's gaps are decoded and applied by one kernel
+(`rice_apply_steps`) in chunks that stay in L1. The kernels release the GIL (`nogil`), so
+the codec's thread pools run blocks and tensors on every core.
 
 They write exactly the bytes `bitstreams.pack_fields` and `bitstreams.unary_stream` write
 (docs/format.md §5: low bits as planes, least significant plane first, each packed most
@@ -148,22 +149,76 @@ def _rice_pack_py(values: np.ndarray, r: int) -> tuple[np.ndarray, np.ndarray, n
     return low, unary, bits
 
 
-def _plane_lanes_py(low: np.ndarray, plane: int, group: int, first: int, last: int) -> np.uint64:
-    """Bits `first`..`last - 1` (at most 8) of the 8 values of `group`, one value per byte
-    lane (value t in byte t), from the low planes of `rice_pack`.
+def _byte_tables() -> tuple[np.ndarray, np.ndarray]:
+    """(each byte with its bits reversed, each byte spread to 8 lanes of 0/1: lane t of
+    byte b holds bit 7 - t, the bit of value t of a low plane's group)."""
+    reverse = np.zeros(256, np.uint64)
+    lanes = np.zeros(256, np.uint64)
+    for b in range(256):
+        for t in range(8):
+            bit = (b >> (7 - t)) & 1
+            reverse[b] |= bit << t
+            lanes[b] |= bit << (8 * t)
+    return reverse, lanes
 
-    Each plane byte is spread to one 0/1 byte per value (mask byte t with 0x80 >> t, then
-    carry its bit to the lane's top and down to bit 0), and the planes stacked in the lanes.
+
+_REVERSED, _LANES = _byte_tables()
+
+
+def _unary_decode_py(unary: np.ndarray, unary_bits: int, r: int, out: np.ndarray) -> int:
+    """Fill `out` with the quotients of the unary stream shifted left by r; OK, or
+    ERR_UNARY if the stream does not hold exactly `out.size` codes with the last one ending
+    at bit `unary_bits - 1`.
+
+    64 bits at a time, bit-reversed into a word whose bit 0 is the stream's first bit, so
+    each code is found with a trailing-zero count and cleared with `w & (w - 1)`: one cycle
+    of dependency between codes, where clearing the leading one (count, shift, xor) chained
+    about five. The loop over a word's one bits exits, mispredicted, once per word.
     """
-    replicate = np.uint64(0x0101010101010101)
-    select = np.uint64(0x0102040810204080)
-    low_bits = np.uint64(0x7F7F7F7F7F7F7F7F)
-    lanes = np.uint64(0)
-    for jj in range(first, last):
-        spread = (np.uint64(low[jj * plane + group]) * replicate) & select
-        spread = ((spread + low_bits) >> np.uint64(7)) & replicate
-        lanes |= spread << np.uint64(jj - first)
-    return lanes
+    k = np.uint64(out.size)
+    shift = np.uint64(r)
+    j = np.uint64(0)  # unsigned indices: no negative-index wraparound code
+    begin = np.int64(0)  # where the current code started, relative to this word's first bit
+    size = (unary_bits + 7) >> 3
+    for first in range(0, size, 8):
+        w = np.uint64(0)
+        for t in range(min(8, size - first)):
+            w |= _REVERSED[unary[first + t]] << np.uint64(8 * t)
+        valid = min(64, unary_bits - 8 * first)
+        if valid < 64:  # the stream's last bits: padding is not codes
+            w &= (np.uint64(1) << np.uint64(valid)) - np.uint64(1)
+        while w:
+            if j == k:
+                return ERR_UNARY
+            one = np.int64(trailing_zeros(w))
+            out[j] = np.uint64(one - begin) << shift
+            begin = one + 1
+            w &= w - np.uint64(1)
+            j += np.uint64(1)
+        begin -= valid
+    if j != k or begin != 0:
+        return ERR_UNARY
+    return OK
+
+
+def _merge_planes_py(low: np.ndarray, first: int, r: int, out: np.ndarray) -> None:
+    """OR bits `first`..r-1 of each value, from the low planes of `rice_pack`, into `out`.
+
+    Up to 8 planes at a time, one value per byte lane: each plane byte becomes its group's
+    8 lanes by one table load (`_LANES`), shifted to its plane's bit.
+    """
+    k = out.size
+    plane = (k + 7) // 8
+    for chunk in range(first, r, 8):
+        last = min(chunk + 8, r)
+        for group in range(plane):
+            lanes = np.uint64(0)
+            for jj in range(chunk, last):
+                lanes |= _LANES[low[jj * plane + group]] << np.uint64(jj - chunk)
+            start = np.uint64(group * 8)
+            for t in range(min(8, k - group * 8)):
+                lane = (lanes >> np.uint64(8 * t)) & np.uint64(0xFF)
+                out[start + np.uint64(t)] |= lane << np.uint64(chunk)
 
 
 def _rice_unpack_py(
@@ -171,100 +226,162 @@ def _rice_unpack_py(
 ) -> int:
     """Decode `out.size` values; OK, or ERR_UNARY if the unary stream does not hold exactly
     that many codes with the last one ending at bit `unary_bits - 1`."""
-    k = out.size
-    shift = np.uint64(r)
-    j = 0
-    q = 0
-    size = (unary_bits + 7) >> 3
-    # 64 bits at a time (most significant first): the loop over a word's one bits ends,
-    # with its mispredicted branch, once per word rather than once per byte.
-    for first in range(0, size, 8):
-        w = np.uint64(0)
-        for t in range(min(8, size - first)):
-            w |= np.uint64(unary[first + t]) << np.uint64(56 - 8 * t)
-        valid = min(64, unary_bits - 8 * first)
-        if valid < 64:  # the stream's last bits: padding is not codes
-            w &= ~(np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(valid))
-        used = 0  # bits of this word consumed so far (cleared from w)
-        while w:
-            one = leading_zeros(w)  # the next one bit, counted from the word's start
-            if j == k:
-                return ERR_UNARY
-            out[j] = np.uint64(q + one - used) << shift
-            j += 1
-            q = 0
-            used = one + 1
-            w ^= np.uint64(1) << np.uint64(63 - one)
-        q += valid - used
-    if j != k or q != 0:
-        return ERR_UNARY
-    plane = (k + 7) // 8
-    # Up to 8 planes at a time, one value per byte lane: one pass over `out` per 8 planes
-    # instead of one per plane.
-    for first in range(0, r, 8):
-        last = min(first + 8, r)
-        for group in range(plane):
-            lanes = plane_lanes(low, plane, group, first, last)
-            start = group * 8
-            for t in range(min(8, k - start)):
-                lane = (lanes >> np.uint64(8 * t)) & np.uint64(0xFF)
-                out[start + t] |= lane << np.uint64(first)
-    return OK
+    error = unary_decode(unary, unary_bits, r, out)
+    if error == OK:
+        merge_planes(low, 0, r, out)
+    return error
 
 
-def _apply_steps_py(
+def _step_one_py(b: np.uint64, down: np.uint64, high: np.uint64) -> np.uint64:
+    """`b` (an element of width high + 1 bits) moved one unit up, or down if `down` is 1,
+    in float order (`float_order` of `sparse`), without branches (the signs of weights and
+    of steps are random: a branch on either mispredicts half the time).
+
+    In float order a positive pattern moves by +1 for up and a negative one by -1 (it is
+    stored as its magnitude); so b + 1 - 2 * (sign XOR down), unless that changes the sign
+    bit: only from ±0 towards the other zero, or from the largest pattern of a sign
+    (±NaN) round to the other sign's, and there the other bits must be inverted too.
+    """
+    top = np.uint64(1) << high
+    below = top - np.uint64(1)
+    mask = below | top
+    x = (b >> high) ^ down
+    moved = (b + np.uint64(1) - (x << np.uint64(1))) & mask
+    flipped = ((moved ^ b) >> high) & np.uint64(1)
+    return moved ^ ((np.uint64(0) - flipped) & below)
+
+
+_WALK_CHUNK = 1024  # changes per chunk of `rice_apply_steps`: 8 KB of positions, in L1
+
+
+def _rice_apply_steps_py(
     bits: np.ndarray,
-    gaps: np.ndarray,
+    low: np.ndarray,
+    unary: np.ndarray,
+    unary_bits: int,
+    r: int,
     down: np.ndarray,
     at_gaps: np.ndarray,
     magnitudes: np.ndarray,
     width_bits: int,
+    positions: np.ndarray,
 ) -> int:
-    """Move each changed element by its step in float order (`float_order` of `sparse`),
-    and overwrite `gaps` with the changes' positions in the block (as int64 bit patterns:
-    the caller views the array as int64, no second pass).
+    """Decode a STEP block's Rice-coded gaps and move each changed element of `bits` by its
+    step in float order (`float_order` of `sparse`); fill `positions` (one per change, as
+    uint64 bit patterns of int64: the caller views it as int64) with the changes' positions.
 
-    Change i sits `gaps[i]` unchanged elements after change i-1; it moves down if bit i of
-    the packed `down` is set, by 1, plus `magnitudes[a] + 1` where it is the a-th change
-    `at_gaps` names (gaps in change indices). Returns OK or the error code of the first
-    misplaced change.
+    Change i sits gap i unchanged elements after change i-1 and moves down if bit i of the
+    packed `down` is set, by 1, plus `magnitudes[a] + 1` where it is the a-th change
+    `at_gaps` names (gaps in change indices). Returns OK or the first error code.
+
+    Per chunk of 1,024 changes, whose 8 KB of positions stay in L1 from one loop to the
+    next: the unary codes into `positions`, their low bits (up to 8 planes per group of 8
+    changes, one table load per plane), the running sum, and the one-unit steps. The few
+    larger magnitudes are added afterwards: float order is a bijection and steps add modulo
+    2**width, so a step of 1 then one of m + 1 is a step of m + 2. Positions are written
+    once, where the old two kernels wrote gaps, reread them and wrote positions over them.
     """
     n = bits.size
-    top = np.uint64(1) << np.uint64(width_bits - 1)
+    k = positions.size
+    size = (unary_bits + 7) >> 3
+    # Every position below is at most (unary_bits + k) << r + k: refuse what could wrap, so
+    # that the per-chunk check below bounds every write (a valid block is far below this).
+    if (np.uint64(unary_bits + k) >> np.uint64(63 - r)) != np.uint64(0):
+        return ERR_POSITION
+    if r > 8:  # planes past the first 8 (gaps this long are rare: few changes)
+        error = unary_decode(unary, unary_bits, r, positions)
+        if error != OK:
+            return error
+        merge_planes(low, 8, r, positions)
+    near = min(r, 8)
+    shift = np.uint64(r)
+    plane = (k + 7) // 8
+    high = np.uint64(width_bits - 1)
+    top = np.uint64(1) << high
     mask = (top << np.uint64(1)) - np.uint64(1)
-    pos = np.int64(-1)
-    a = 0
-    next_at = np.int64(-1)
-    if at_gaps.size:
-        if at_gaps[0] >= np.uint64(gaps.size):
+    below = top - np.uint64(1)
+    limit = np.uint64(n)
+    after = np.uint64(0)  # one past the last change's position
+    # The unary decoder's state between chunks: the next byte to load, the current word
+    # (codes already taken cleared), its valid bits, where the current code started.
+    at = 0
+    w = np.uint64(0)
+    valid = np.int64(0)
+    begin = np.int64(0)
+    for chunk in range(0, k, _WALK_CHUNK):
+        stop = min(k, chunk + _WALK_CHUNK)
+        if r <= 8:  # the quotients of this chunk, into memory that stays in L1 for the walk
+            j = np.uint64(chunk)  # unsigned indices: no negative-index wraparound code
+            end = np.uint64(stop)
+            while j < end:
+                if not w:
+                    if at >= size:
+                        return ERR_UNARY
+                    begin -= valid
+                    for t in range(min(8, size - at)):
+                        w |= _REVERSED[unary[at + t]] << np.uint64(8 * t)
+                    valid = np.int64(min(64, unary_bits - 8 * at))
+                    if valid < 64:  # the stream's last bits: padding is not codes
+                        w &= (np.uint64(1) << np.uint64(valid)) - np.uint64(1)
+                    at += 8
+                    continue
+                one = np.int64(trailing_zeros(w))
+                positions[j] = np.uint64(one - begin) << shift
+                begin = one + 1
+                w &= w - np.uint64(1)
+                j += np.uint64(1)
+        # Four short loops per chunk rather than one: with every stage's state live at
+        # once the compiler kept the running position on the stack, and its store and
+        # reload (about 6 cycles) chained every change to the one before.
+        for group in range(chunk // 8, (stop + 7) // 8):
+            lanes = np.uint64(0)
+            for jj in range(near):
+                lanes |= _LANES[low[jj * plane + group]] << np.uint64(jj)
+            start = np.uint64(group * 8)
+            if group * 8 + 8 <= stop:  # a loop of fixed length, unrolled
+                for t in range(8):
+                    positions[start + np.uint64(t)] |= (lanes >> np.uint64(8 * t)) & np.uint64(0xFF)
+            else:
+                for t in range(stop - group * 8):
+                    positions[start + np.uint64(t)] |= (lanes >> np.uint64(8 * t)) & np.uint64(0xFF)
+        # Positions only grow and cannot wrap (checked above): one bound check per chunk.
+        for i in range(np.uint64(chunk), np.uint64(stop)):
+            after += np.uint64(positions[i]) + np.uint64(1)
+            positions[i] = after - np.uint64(1)
+        if after > limit:
+            return ERR_POSITION
+        for group in range(chunk // 8, (stop + 7) // 8):
+            signs = np.uint64(down[group])
+            first = np.uint64(group * 8)
+            if first + np.uint64(8) <= np.uint64(stop):  # a loop of fixed length, unrolled
+                for t in range(8):
+                    p = np.uint64(positions[first + np.uint64(t)])
+                    b = np.uint64(bits[p])
+                    bits[p] = step_one(b, (signs >> np.uint64(7 - t)) & np.uint64(1), high)
+            else:
+                for t in range(stop - group * 8):
+                    p = np.uint64(positions[first + np.uint64(t)])
+                    b = np.uint64(bits[p])
+                    bits[p] = step_one(b, (signs >> np.uint64(7 - t)) & np.uint64(1), high)
+    # Exactly k codes, the last ending at the stream's last bit.
+    if r <= 8 and (w or at < size or begin != valid):
+        return ERR_UNARY
+    index = np.int64(-1)
+    for a in range(at_gaps.size):
+        g = np.uint64(at_gaps[a])
+        if g >= np.uint64(k):
             return ERR_MAGNITUDE
-        next_at = np.int64(at_gaps[0])
-    for i in range(gaps.size):
-        g = np.uint64(gaps[i])
-        if g >= np.uint64(n):
-            return ERR_POSITION
-        pos += np.int64(g) + 1
-        if pos >= n:
-            return ERR_POSITION
-        gaps[i] = np.uint64(pos)
-        step = np.uint64(1)
-        if i == next_at:
-            step += np.uint64(magnitudes[a]) + np.uint64(1)
-            a += 1
-            if a < at_gaps.size:
-                g = np.uint64(at_gaps[a])
-                if g >= np.uint64(gaps.size):
-                    return ERR_MAGNITUDE
-                next_at += np.int64(g) + 1
+        index += np.int64(g) + 1
+        if index >= k:
+            return ERR_MAGNITUDE
+        pos = np.uint64(positions[index])
+        step = np.uint64(magnitudes[a]) + np.uint64(1)
+        sub = np.uint64(0) - np.uint64((down[index >> 3] >> (7 - (index & 7))) & 1)
         b = np.uint64(bits[pos])
-        # float_order: negative patterns inverted, positive ones get the sign bit set.
-        key = b ^ mask if b & top else b ^ top
-        # key + step, or key - step for a move down: branch-free, the signs are random.
-        sub = np.uint64(0) - np.uint64((down[i >> 3] >> (7 - (i & 7))) & 1)
+        # float_order and back, without branches (random signs), as in `step_one`.
+        key = b ^ (top | ((np.uint64(0) - (b >> high)) & below))
         key = (key + step - ((step << np.uint64(1)) & sub)) & mask
-        bits[pos] = key ^ top if key & top else key ^ mask
-    if a != at_gaps.size:
-        return ERR_MAGNITUDE
+        bits[pos] = key ^ (top | (((key >> high) - np.uint64(1)) & below))
     return OK
 
 
@@ -402,9 +519,11 @@ rice_parameter = _jit(_rice_parameter_py)
 rice_bits = _jit(_rice_bits_py)
 plane_bits = _jit(_plane_bits_py)
 rice_pack = _jit(_rice_pack_py)
-plane_lanes = _jit(_plane_lanes_py)
+unary_decode = _jit(_unary_decode_py)
+merge_planes = _jit(_merge_planes_py)
 rice_unpack = _jit(_rice_unpack_py)
-apply_steps = _jit(_apply_steps_py)
+step_one = _jit(_step_one_py)
+rice_apply_steps = _jit(_rice_apply_steps_py)
 split_steps = _jit(_split_steps_py)
 nonzero_runs = _jit(_nonzero_runs_py)
 mode_bits = _jit(_mode_bits_py)

@@ -13,8 +13,16 @@ from store.codecs import encode_version, fold
 from store.codecs.bitstreams import rice_decode, rice_encode, rice_parameter
 from store.codecs.delta import encode_delta
 from store.codecs.fold import read_manifest
-from store.codecs.sparse import SparseCodec
-from store.codecs.sparse_kernels import RICE_SAMPLE, change_mask
+from store.codecs.sparse import SparseCodec, float_order, float_unorder
+from store.codecs.sparse_kernels import (
+    ERR_MAGNITUDE,
+    ERR_POSITION,
+    OK,
+    RICE_SAMPLE,
+    change_mask,
+    rice_apply_steps,
+    step_one,
+)
 from store.codecs.sparse_v2 import SparseV2Codec
 from store.errors import ChecksumMismatch, CorruptPayload
 from store.tensors import RawTensor
@@ -321,6 +329,74 @@ def test_a_unary_stream_with_another_number_of_codes_is_refused(count, bits):
     assert unary_bits == 8  # 1 01 001 1 1
     with pytest.raises(CorruptPayload):
         rice_decode(low, np.append(unary, 0xFF), bits, count, 0, "t")
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16])
+def test_a_one_unit_step_is_float_orders_plus_or_minus_one_for_every_pattern(dtype):
+    """The decoder's branch-free step agrees with `float_order` on every bit pattern of
+    the width, both directions, the zeros and the NaN patterns at either end included."""
+    width = 8 * np.dtype(dtype).itemsize
+    patterns = np.arange(1 << width, dtype=np.uint64).astype(dtype)
+    for down, delta in ((0, 1), (1, -1)):
+        expected = float_unorder(float_order(patterns) + dtype(delta % (1 << width)))
+        found = [step_one(np.uint64(p), np.uint64(down), np.uint64(width - 1)) for p in patterns]
+        assert np.array_equal(np.array(found, dtype=np.uint64).astype(dtype), expected)
+
+
+def stepped_block(count: int, r: int, seed: int) -> dict:
+    """A block of BF16 patterns and the Rice-coded STEP streams of `count` changes (gaps
+    with parameter r, signs, every 7th change moved by 2 + a magnitude), and the block
+    they should produce."""
+    rng = np.random.default_rng(seed)
+    gaps = rng.integers(0, 1 << (r + 1), count).astype(np.uint32)
+    positions = np.cumsum(gaps.astype(np.int64) + 1) - 1
+    bits = rng.integers(0, 1 << 16, int(positions[-1]) + 1 + 5, dtype=np.uint64).astype(np.uint16)
+    down = rng.random(count) < 0.5
+    extra = np.zeros(count, np.int64)
+    big = np.arange(3, count, 7)
+    magnitudes = rng.integers(0, 40, big.size).astype(np.uint64)
+    extra[big] = magnitudes.astype(np.int64) + 1
+    steps = np.where(down, -1, 1) * (1 + extra)
+    expected = bits.copy()
+    keys = float_order(bits[positions]).astype(np.int64)
+    expected[positions] = float_unorder(((keys + steps) % (1 << 16)).astype(np.uint16))
+    low, unary, unary_bits = rice_encode(gaps, r)
+    at_gaps = np.diff(np.concatenate([[-1], big])).astype(np.uint64) - np.uint64(1)
+    return {
+        "bits": bits, "low": low, "unary": unary, "unary_bits": unary_bits, "r": r,
+        "down": np.packbits(down), "at": at_gaps, "magnitudes": magnitudes,
+        "positions": positions, "expected": expected,
+    }  # fmt: skip
+
+
+def apply_stepped(block: dict, count: int | None = None) -> tuple[int, np.ndarray]:
+    found = np.empty(block["positions"].size if count is None else count, np.uint64)
+    error = rice_apply_steps(
+        block["bits"], block["low"], block["unary"], block["unary_bits"], block["r"],
+        block["down"], block["at"], block["magnitudes"], 16, found,
+    )  # fmt: skip
+    return error, found
+
+
+@pytest.mark.parametrize("r", [0, 3, 8, 11])
+def test_gaps_decoded_and_stepped_in_one_pass_match_the_reference_across_chunks(r):
+    """2,500 changes (three of the decoder's chunks), low planes below and above the 8
+    it reads per group, signs both ways, and larger magnitudes on every 7th change."""
+    block = stepped_block(2500, r, seed=r)
+    error, found = apply_stepped(block)
+    assert error == OK
+    assert np.array_equal(found.view(np.int64), block["positions"])
+    assert np.array_equal(block["bits"], block["expected"])
+
+
+def test_gaps_that_run_past_the_block_or_magnitudes_past_the_last_change_are_refused():
+    block = stepped_block(1500, 3, seed=1)
+    block["bits"] = block["bits"][: int(block["positions"][-1])]  # the last change is outside
+    assert apply_stepped(block)[0] == ERR_POSITION
+    block = stepped_block(1500, 3, seed=1)
+    block["at"] = block["at"].copy()
+    block["at"][-1] += np.uint64(1500)
+    assert apply_stepped(block)[0] == ERR_MAGNITUDE
 
 
 @pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32])
