@@ -96,6 +96,9 @@ def tensor_amax(weight: torch.Tensor) -> float:
     """max |x| of a tensor (0.0 when empty), without materialising |x|."""
     if weight.numel() == 0:
         return 0.0
+    if _kernel is not None and weight.dtype == torch.bfloat16:
+        bits = weight.contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1)
+        return float(_kernel.tensor_amax_bits(bits))
     return max(float(weight.max()), -float(weight.min()))
 
 

@@ -360,3 +360,18 @@ def quantize_full(
     scale_bytes = np.empty(weight.size // _GROUP, np.uint8)
     _quantize_full(weight, np.float32(scale_2), packed, scale_bytes, code_bounds)
     return packed, scale_bytes
+
+
+@_jit
+def _top_bits(weight: np.ndarray) -> int:
+    top = np.uint16(0)
+    for i in range(weight.size):
+        top = max(top, weight[i] & np.uint16(0x7FFF))
+    return int(top)
+
+
+def tensor_amax_bits(weight: np.ndarray) -> float:
+    """max |x| of BF16 `weight` (uint16 bits, flat): NaN if it holds a NaN, 0.0 if empty;
+    one vectorised pass over the bits, where torch's max and min read it twice."""
+    top = int(_top_bits(weight))
+    return float("nan") if top > _INF_BITS else float(bf16_value(np.uint16(top)))

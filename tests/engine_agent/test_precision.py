@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +38,7 @@ from engine_agent.precision.nvfp4 import (
     group_scales,
     pack_nibbles,
     quantize_nvfp4,
+    tensor_amax,
 )
 
 
@@ -244,6 +246,17 @@ def test_compiled_full_nvfp4_conversion_writes_the_fused_encoders_bytes(global_a
             block_scale.view(torch.uint8).reshape(-1), expected_scales.view(torch.uint8)
         )
         assert torch.equal(packed.reshape(-1), expected_codes.reshape(-1))
+
+
+def test_bf16_tensor_amax_from_bits_is_the_largest_magnitude_and_nan_wins():
+    finite = every_bf16_pattern(finite=True)
+    assert tensor_amax(finite) == float(finite.float().abs().max())
+    assert tensor_amax(weights(64, 48)) == float(weights(64, 48).float().abs().max())
+    assert tensor_amax(torch.zeros(8, 16, dtype=torch.bfloat16)) == 0.0
+    with_inf = finite.clone()
+    with_inf[3] = -float("inf")
+    assert tensor_amax(with_inf) == float("inf")
+    assert math.isnan(tensor_amax(every_bf16_pattern()))
 
 
 def test_nvfp4_group_error_is_bounded_and_requantization_is_bit_identical():
