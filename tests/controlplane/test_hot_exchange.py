@@ -209,6 +209,24 @@ def test_requests_pipelined_on_one_connection_are_answered_in_order(
     assert json.loads(answers[2][2])["error"]["type"] == "WeightVersionNotReady"
 
 
+def test_a_request_left_to_asgi_after_a_hot_one_keeps_its_headers_and_path(
+    pair: tuple[Served, Served],
+) -> None:
+    # The exchange builds uvicorn's ASGI scope only for a request it leaves to ASGI: the
+    # headers and URL parsed before that must all be in it (the token decides the answer).
+    fast, _ = pair
+    raw = (
+        post("/v1/generate", generate(), fast.tokens["client"])
+        + b"GET /v1/engines?run_id=r HTTP/1.1\r\nHost: t\r\n"
+        + f"Authorization: Bearer {ADMIN}\r\n\r\n".encode()
+        + b"GET /v1/engines HTTP/1.1\r\nHost: t\r\n\r\n"
+    )
+    answers = fast.exchange(raw, 3)
+    assert [a[0] for a in answers] == [200, 200, 401]
+    assert "engines" in json.loads(answers[1][2])
+    assert json.loads(answers[2][2])["error"]["type"] == "Unauthorized"
+
+
 def test_connection_close_is_honoured_and_keep_alive_is_the_default(
     pair: tuple[Served, Served],
 ) -> None:
