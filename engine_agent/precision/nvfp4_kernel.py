@@ -12,8 +12,11 @@ division is the same correctly rounded fp32 IEEE division torch runs (no fastmat
 clamp keeps NaN as torch's does, and the code is the same count of the same bounds with
 the same tie rules. `recode_groups` also computes group scales as `nvfp4.group_scales`
 does, with `fp8_kernel.e4m3_code` (held to torch's cast by the tests) for the E4M3 cast.
-`tests/engine_agent/test_precision.py` checks them against the torch reference on every
-BF16 bit pattern. Must never choose a global scale (that is the caller's).
+`recode_groups` keeps a group's scale byte when its new amax still maps to it (the common
+case of a sparse step) and then codes only the changed elements, each into its nibble; a
+group whose scale moves is recoded whole. `tests/engine_agent/test_precision.py` checks
+them against the torch reference on every BF16 bit pattern. Must never choose a global
+scale (that is the caller's).
 """
 
 from __future__ import annotations
@@ -90,13 +93,18 @@ _BOUNDS = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], np.float32)
 _TIES_UP = np.array([False, True, False, True, False, True, False])
 _INF_BITS = 0x7F80  # BF16 +inf; magnitude bits above it are NaNs
 _READY = 7  # column of a `code_bounds` row that says the row is filled
+# Column of `code_bounds` holding, in row c, the least group-amax magnitude bits whose scale
+# byte is c or more (row 256: past every amax); `[256, _READY]` says the column is filled.
+_SCALE_FROM = 8
+_NO_AMAX = _INF_BITS + 1  # "no such amax": above inf, below every NaN's bits
 
 
 def new_code_bounds() -> np.ndarray:
-    """An empty table for `recode_groups_in_place` (uint16 [256, 8]); one per global scale:
-    row c holds, for the group scale of E4M3 byte c, the least BF16 magnitude bits past each
-    E2M1 bound, and column 7 says whether the row was filled."""
-    return np.zeros((256, 8), np.uint16)
+    """An empty table for `recode_groups_in_place` (uint16 [257, 9]); one per global scale:
+    row c < 256 holds, for the group scale of E4M3 byte c, the least BF16 magnitude bits
+    past each E2M1 bound, and column 7 says whether the row was filled; column 8 holds the
+    least group-amax magnitude bits whose scale byte is c or more."""
+    return np.zeros((257, 9), np.uint16)
 
 
 @_jit
@@ -120,6 +128,46 @@ def _fill_code_bounds(scale_2: np.float32, code: np.uint8, table: np.ndarray) ->
 
 
 @_jit
+def _scale_code(amax: np.float32, denominator: np.float32) -> np.uint8:
+    # `nvfp4.group_scales`: amax/(6·scale_2), 1.0 for a zero group, clamped, cast.
+    ideal = amax / denominator if amax > 0 else np.float32(1.0)
+    return e4m3_code(min(max(ideal, _MIN_SCALE), _MAX_SCALE))
+
+
+@_jit
+def _fill_scale_from(denominator: np.float32, table: np.ndarray) -> None:
+    # The scale byte never decreases as a positive amax grows (a correctly rounded division
+    # by a positive number, a clamp and a nearest-even cast are each monotonic), so the
+    # amaxes of each byte are one run of magnitude bits in [1, inf]: bisect for where each
+    # run starts, with the very division and cast the group's coding runs.
+    for code in range(256):
+        lo, hi = 1, _NO_AMAX
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if _scale_code(bf16_value(np.uint16(mid)), denominator) >= code:
+                hi = mid
+            else:
+                lo = mid + 1
+        table[code, _SCALE_FROM] = lo
+    table[256, _SCALE_FROM] = _NO_AMAX
+    table[256, _READY] = 1
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _nibble(w: np.int32, b0: np.int32, b1: np.int32, b2: np.int32, b3: np.int32,
+            b4: np.int32, b5: np.int32, b6: np.int32) -> np.int32:  # fmt: skip
+    # The E2M1 code is how many bounds the magnitude reaches: no division per element,
+    # and int32 lanes the compiler vectorises. A NaN codes as 0 (every comparison of
+    # torch's coder is false); the sign bit goes with a non-zero code only, as `y < -0.25`.
+    m = w & 0x7FFF
+    c = (
+        np.int32(m >= b0) + np.int32(m >= b1) + np.int32(m >= b2) + np.int32(m >= b3)
+        + np.int32(m >= b4) + np.int32(m >= b5) + np.int32(m >= b6)
+    ) * np.int32(m <= _INF_BITS)  # fmt: skip
+    return c | (((w >> 15) & np.int32(c != 0)) << 3)
+
+
+@_jit
 def _recode_groups_in_place(
     weight: np.ndarray,
     positions: np.ndarray,
@@ -130,6 +178,8 @@ def _recode_groups_in_place(
     holder_bits: int,
 ) -> tuple[int, np.float32, bool, np.ndarray, np.uint8]:
     denominator = np.float32(6.0) * scale_2
+    if code_bounds[256, _READY] == 0:
+        _fill_scale_from(denominator, code_bounds)
     largest = np.float32(0.0)
     old_max_scale = False
     holders = np.empty(_GROUP, np.int64)  # grows below; almost always stays empty
@@ -137,6 +187,7 @@ def _recode_groups_in_place(
     count = 0
     last = np.int64(-1)
     groups = np.empty(_CHUNK, np.int64)
+    starts = np.empty(_CHUNK + 1, np.int64)  # each group's first index in `positions`
     old_scales = np.empty(_CHUNK, np.uint8)
     nibbles = np.empty(_GROUP, np.int32)
     gathered_words = np.empty((_CHUNK, _GROUP // 4), np.uint64)
@@ -149,21 +200,24 @@ def _recode_groups_in_place(
         # misses (weights, old scales, and the packed bytes about to be written), which
         # the coding loop would otherwise wait for one by one.
         n = 0
-        while i < positions.size and n < _CHUNK:
+        while i < positions.size:
             p = positions[i]
-            i += 1
             if p < 0 or p >= weight.size:
                 raise IndexError("a changed position lies outside the tensor")
             g = p >> 4
-            if g == last:
-                continue  # positions are sorted: this group is in the chunk already
-            last = g
-            groups[n] = g
-            for j in range(_GROUP // 4):  # the group's 32 bytes as four 8-byte words
-                gathered_words[n, j] = words[g * (_GROUP // 4) + j]
-            old_scales[n] = scale_bytes[g]
-            touched ^= packed[g * (_GROUP // 2)]  # the line written below, loaded now
-            n += 1
+            if g != last:
+                if n == _CHUNK:
+                    break  # the chunk is full; this group starts the next one
+                last = g
+                groups[n] = g
+                starts[n] = i
+                for j in range(_GROUP // 4):  # the group's 32 bytes as four 8-byte words
+                    gathered_words[n, j] = words[g * (_GROUP // 4) + j]
+                old_scales[n] = scale_bytes[g]
+                touched ^= packed[g * (_GROUP // 2)]  # the line written below, loaded now
+                n += 1
+            i += 1  # positions are sorted: a group's positions follow one another
+        starts[n] = i
         count += n
         for k in range(n):
             g = groups[k]
@@ -186,12 +240,19 @@ def _recode_groups_in_place(
             amax = bf16_value(np.uint16(top))
             if amax > largest or amax != amax:
                 largest = amax
+            old = old_scales[k]
             # An old scale of 448 marks a group that may have held the global amax.
-            old_max_scale |= (old_scales[k] & 0x7F) == 0x7E
-            # `nvfp4.group_scales`: amax/(6·scale_2), 1.0 for a zero group, clamped, cast.
-            ideal = amax / denominator if amax > 0 else np.float32(1.0)
-            code = e4m3_code(min(max(ideal, _MIN_SCALE), _MAX_SCALE))
-            scale_bytes[g] = code
+            old_max_scale |= (old & 0x7F) == 0x7E
+            # The group's scale byte stays when its amax is still in the old byte's run
+            # (a zero or NaN amax never is): the unchanged elements keep their codes, so
+            # only the changed ones are coded, each into its nibble of the packed byte.
+            if code_bounds[old, _SCALE_FROM] <= top < code_bounds[old + 1, _SCALE_FROM]:
+                code = old
+                scale_kept = True
+            else:
+                code = _scale_code(amax, denominator)
+                scale_bytes[g] = code
+                scale_kept = False
             if code_bounds[code, _READY] == 0:
                 _fill_code_bounds(scale_2, code, code_bounds)
             b0, b1, b2, b3 = (
@@ -205,19 +266,18 @@ def _recode_groups_in_place(
                 np.int32(code_bounds[code, 5]),
                 np.int32(code_bounds[code, 6]),
             )
-            # The E2M1 code is how many bounds the magnitude reaches: no division per
-            # element, and int32 lanes the compiler vectorises. A NaN codes as 0 (every
-            # comparison of torch's coder is false); the sign bit goes with a non-zero code
-            # only, as `y < -0.25` does.
+            if scale_kept:
+                for at in range(starts[k], starts[k + 1]):
+                    p = positions[at]
+                    c = _nibble(np.int32(gathered[k, p & (_GROUP - 1)]), b0, b1, b2, b3, b4, b5, b6)
+                    byte = p >> 1
+                    if p & 1:
+                        packed[byte] = np.uint8((packed[byte] & 0x0F) | (c << 4))
+                    else:
+                        packed[byte] = np.uint8((packed[byte] & 0xF0) | c)
+                continue
             for j in range(_GROUP):
-                w = np.int32(gathered[k, j])
-                m = w & 0x7FFF
-                c = (
-                    np.int32(m >= b0) + np.int32(m >= b1) + np.int32(m >= b2)
-                    + np.int32(m >= b3) + np.int32(m >= b4) + np.int32(m >= b5)
-                    + np.int32(m >= b6)
-                ) * np.int32(m <= _INF_BITS)  # fmt: skip
-                nibbles[j] = c | (((w >> 15) & np.int32(c != 0)) << 3)
+                nibbles[j] = _nibble(np.int32(gathered[k, j]), b0, b1, b2, b3, b4, b5, b6)
             base = g * (_GROUP // 2)
             for j in range(_GROUP // 2):
                 packed[base + j] = np.uint8(nibbles[2 * j] | (nibbles[2 * j + 1] << 4))

@@ -146,13 +146,121 @@ def test_incremental_nvfp4_recoding_without_divisions_matches_the_fused_encoder(
         positions = np.sort(np.concatenate([np.arange(0, weight.size, 16), [5, weight.size - 1]]))
         packed = np.zeros(weight.size // 2, np.uint8)
         scale_bytes = np.zeros(weight.size // 16, np.uint8)
+        bounds = nvfp4_kernel.new_code_bounds()
         update = nvfp4_kernel.recode_groups_in_place(
-            weight, positions, float(scale_2), packed, scale_bytes,
-            nvfp4_kernel.new_code_bounds(), -1,
-        )  # fmt: skip
+            weight, positions, float(scale_2), packed, scale_bytes, bounds, -1
+        )
         assert update.groups == weight.size // 16
         assert np.array_equal(scale_bytes, expected_scales.view(torch.uint8).numpy())
         assert np.array_equal(packed, expected_codes.reshape(-1).numpy())
+        if amax == global_amax:
+            table = bounds
+    # Column 8 of the table: where each scale byte's run of group amaxes starts. Every
+    # magnitude from the least subnormal to inf must fall in the run of its own scale byte,
+    # or a group would keep a scale that a full conversion changes.
+    magnitudes = torch.arange(1, 0x7F81, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    scale_2 = global_scale(global_amax)
+    codes = group_scales(magnitudes.to(torch.float32), scale_2).view(torch.uint8).long().numpy()
+    starts = table[:, 8].astype(np.int64)
+    bits = np.arange(1, 0x7F81)
+    assert np.all((starts[codes] <= bits) & (bits < starts[codes + 1]))
+
+
+def changed_groups(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Old and new BF16 bits of 4 096 groups of 16 and the sorted positions that differ:
+    per group one, a byte's two nibbles, three, or all 16 elements moved an ulp; the group
+    max moved up past or down below a scale step, or by an ulp; elements set to NaN, ±inf,
+    ±0, ±subnormals, or their sign flipped; old groups holding those values too."""
+    rng = np.random.default_rng(seed)
+    old = torch.randn(4096 * 16, generator=torch.Generator().manual_seed(seed)) * 0.02
+    old_bits = old.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).copy()
+    specials = torch.tensor(
+        [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-40, -1e-40, 3e-39]
+    ).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)  # fmt: skip
+    old_bits[16 * 4000 : 16 * 4008] = 0  # eight all-zero groups (unit scale)
+    old_bits[np.arange(4010, 4096) * 16 + 3] = specials[np.arange(86) % specials.size]
+    new_bits = old_bits.copy()
+    for g in range(4096):
+        first = 16 * g
+        group = new_bits[first : first + 16]
+        top = int(np.argmax(np.where((group & 0x7FFF) > 0x7F80, 0, group & 0x7FFF)))
+        kind = g % 9
+        if kind == 0:
+            picks = rng.choice(16, 1, replace=False)
+        elif kind == 1:
+            picks = 2 * rng.choice(8, 1) + np.array([0, 1])  # both nibbles of one byte
+        elif kind == 2:
+            picks = rng.choice(16, 3, replace=False)
+        elif kind == 6:
+            picks = np.arange(16)
+        else:
+            picks = np.array([top])
+        if kind == 3:  # the group max up past a scale step
+            group[top] = bf16_bits(bf16_of(group[top]) * 1.5)
+        elif kind == 4:  # the group max down to zero: the amax falls to the next one
+            group[top] = group[top] & 0x8000
+        elif kind == 5:  # a special value somewhere
+            picks = rng.choice(16, 1)
+            group[picks] = specials[(g // 9) % specials.size]
+        elif kind == 7:  # the group max one ulp up or down, at the max
+            group[top] = group[top] + 1 if g % 2 else max(group[top] & 0x7FFF, 1) - 1
+        elif kind == 8:  # a sign flip
+            group[picks] ^= 0x8000
+        else:
+            moved = (group[picks] & 0x7FFF).astype(np.int32) + rng.choice([-1, 1], picks.size)
+            group[picks] = (group[picks] & 0x8000) | np.clip(moved, 1, 0x7F7F).astype(np.uint16)
+    positions = np.flatnonzero(new_bits != old_bits)
+    return old_bits, new_bits, positions
+
+
+def bf16_of(bits: int) -> float:
+    return float(np.array([int(bits) << 16], np.uint32).view(np.float32)[0])
+
+
+def bf16_bits(value: float) -> int:
+    return int(torch.tensor([value]).to(torch.bfloat16).view(torch.int16).item()) & 0xFFFF
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_incremental_nvfp4_recoding_writes_the_full_encoders_bytes_whether_or_not_a_scale_moves(
+    seed,
+):
+    # A group whose scale byte stands gets only its changed nibbles rewritten; one whose
+    # scale moves is recoded whole. Either way every byte must be the full encoder's, so a
+    # single wrong nibble (or a nibble of the neighbour in its byte) fails this.
+    old_bits, new_bits, positions = changed_groups(seed)
+    # Past the largest finite weight (~0.1): the group scales spread over many E4M3 steps.
+    scale_2 = global_scale(0.25)
+
+    def encoded(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        values = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).to(torch.float32)
+        codes, scales = encode_groups(values.view(-1, 16), scale_2)
+        return codes.reshape(-1).numpy().copy(), scales.view(torch.uint8).numpy().copy()
+
+    packed, scale_bytes = encoded(old_bits)
+    old_scales = scale_bytes.copy()
+    expected_packed, expected_scales = encoded(new_bits)
+    groups = np.unique(positions >> 4)
+    kept = scale_bytes[groups] == expected_scales[groups]
+    assert kept.sum() > 1000 and (~kept).sum() > 200, "both paths must be exercised"
+    in_changed = (groups[:, None] * 16 + np.arange(16)).reshape(-1)
+    magnitudes = new_bits[in_changed] & 0x7FFF
+    holder = int(magnitudes[magnitudes < 0x7F80].max())  # the largest finite |x| changed
+    update = nvfp4_kernel.recode_groups_in_place(
+        new_bits, positions, float(scale_2), packed, scale_bytes,
+        nvfp4_kernel.new_code_bounds(), holder,
+    )  # fmt: skip
+    assert np.array_equal(scale_bytes, expected_scales)
+    assert np.array_equal(packed, expected_packed)
+    assert update.groups == groups.size
+    # Elements at the holder bits are reported where they are their group's max (a NaN
+    # or an inf in the group outranks them).
+    tops = np.repeat(magnitudes.reshape(-1, 16).max(axis=1), 16)
+    holding = in_changed[(magnitudes == holder) & (tops == holder)]
+    assert holding.size and np.array_equal(update.new_holders, holding)
+    assert np.isnan(update.amax)  # a changed group holds a NaN, and NaN wins
+    # Groups that held an inf had scale 448 (their amax may have been the global one).
+    assert update.old_scale_was_448 and ((old_scales[groups] & 0x7F) == 0x7E).any()
 
 
 def fp32_cast_probes() -> torch.Tensor:
