@@ -53,19 +53,20 @@ def _gather_changes_py(
     (`change_mask` builds it); visiting its set bits avoids a branch per element, which
     mispredicts at every change.
     """
-    j = 0
-    last = -1
+    # Unsigned indices: a signed one costs negative-index wraparound code on every access.
+    j = np.uint64(0)
+    after = np.uint64(0)  # one past the last change
     for w in range(changed.size):
         m = changed[w]
-        start = w * 64
+        start = np.uint64(w * 64)
         while m:
-            i = start + trailing_zeros(m)
+            i = start + np.uint64(trailing_zeros(m))
             m &= m - np.uint64(1)
-            gaps[j] = i - last - 1
+            gaps[j] = i - after
             news[j] = new[i]
             olds[j] = old[i]
-            last = i
-            j += 1
+            after = i + np.uint64(1)
+            j += np.uint64(1)
 
 
 _SCAN_CHUNK = 4096  # elements compared per step: their flags stay in L1 while gathered
@@ -117,11 +118,11 @@ def _rice_pack_py(values: np.ndarray, r: int) -> tuple[np.ndarray, np.ndarray, n
     for i in range(k):
         bits += np.int64(np.uint64(values[i]) >> np.uint64(r))
     unary = np.zeros((bits + 7) // 8, np.uint8)
-    bit = np.int64(0)
+    bit = np.uint64(0)  # unsigned: no negative-index wraparound code
     for i in range(k):
-        bit += np.int64(np.uint64(values[i]) >> np.uint64(r))
-        unary[bit >> 3] |= np.uint8(0x80 >> (bit & 7))
-        bit += 1
+        bit += np.uint64(values[i]) >> np.uint64(r)
+        unary[bit >> np.uint64(3)] |= np.uint8(np.uint64(0x80) >> (bit & np.uint64(7)))
+        bit += np.uint64(1)
     plane = (k + 7) // 8
     low = np.empty(r * plane, np.uint8)
     # Per group of 8 values: their low bytes side by side in one word (value t in byte t),
