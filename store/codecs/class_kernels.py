@@ -277,6 +277,33 @@ def _class_members_py(
     return count
 
 
+def _flatten_py(own: np.ndarray, words: int, first: int, out: np.ndarray, at: int) -> int:
+    """Write the element index (first + 64 w + bit) of every set bit of own[:words] to `out`
+    from `at`, in order; return the index after the last. Four bits per step whatever the
+    word holds (a cleared word yields 64s that the next word overwrites), so the loop's
+    exit mispredicts once per four changes rather than once per word; `out` needs three
+    elements of slack."""
+    for w in range(words):
+        m = own[w]
+        base = first + 64 * w
+        end = at + popcount(m)
+        while m:
+            out[at] = base + trailing_zeros(m)
+            m &= m - np.uint64(1)
+            out[at + 1] = base + trailing_zeros(m)
+            m &= m - np.uint64(1)
+            out[at + 2] = base + trailing_zeros(m)
+            m &= m - np.uint64(1)
+            out[at + 3] = base + trailing_zeros(m)
+            m &= m - np.uint64(1)
+            at += 4
+        at = end
+    return at
+
+
+flatten = _jit(_flatten_py)
+
+
 def _apply_classes_py(
     bits: np.ndarray,
     keymask: np.ndarray,
@@ -297,19 +324,29 @@ def _apply_classes_py(
     """Apply a class-form block in one pass over its elements; OK or an error code.
 
     Per chunk of CHUNK elements the classes' member masks are built at once
-    (`chunk_masks`); per 64-element word each class then skips its pending gap by the
-    word's member popcount or places its events there with `select64`, and the class's
-    changes (its events, or its members less them for a complement class) take their
-    values at once: values are stored class by class, value_at[c] .. value_at[c + 1] being
-    class c's (mode 0 NEW, 1 XOR: `values`; 2 STEP: sign bit j of `down`, and magnitudes[a]
-    + 2 ulps instead of 1 where index[a] == j). The union of the word's changes goes to
-    `found` in element order. Checks: every gap lands on a member, every class has
-    exactly its count of changes, `found` is filled exactly, every magnitude is used.
+    (`chunk_masks`). Then per class: its events in the chunk are placed by rank (an
+    event's word comes from a table of each member's word, built 64 entries per word, and
+    its bit from `select64`, each rank the previous one plus its gap
+    plus one, so nothing waits on the previous event); its changes (its events, or its
+    members less them for a complement class) are listed in element order (`flatten`) and
+    take their values in one straight loop: values are stored class by class, value_at[c]
+    .. value_at[c + 1] being class c's (mode 0 NEW, 1 XOR: `values`; 2 STEP: sign bit j of
+    `down`, and magnitudes[a] + 2 ulps instead of 1 where index[a] == j). The union of the
+    chunk's changes goes to `found` (three elements of slack past the block's count) in
+    element order. Checks: every gap lands on a member, every class has exactly its count
+    of changes, `found` is filled exactly, every magnitude is used.
     """
     classes = lo.size
     top = np.uint64(1) << np.uint64(width_bits - 1)
     full = (top << np.uint64(1)) - np.uint64(1)
-    masks = np.empty((classes, CHUNK // 64), np.uint64)
+    per_chunk = CHUNK // 64
+    masks = np.empty((classes, per_chunk), np.uint64)
+    before = np.empty(per_chunk, np.uint64)  # a class's members before each word
+    word_of = np.empty(CHUNK + 64, np.uint8)  # the word of each of its members
+    events = np.zeros(per_chunk, np.uint64)  # its events in each word
+    own = np.zeros(per_chunk, np.uint64)  # its changes in each word
+    union = np.zeros(per_chunk, np.uint64)
+    at = np.empty(CHUNK + 4, np.int64)  # its changes' positions
     ev = gap_at[:classes].copy()  # each class's next event
     pending = np.zeros(classes, np.uint64)  # members to pass before it
     limit = np.uint64(bits.size)  # no gap is longer: refused, so ranks never wrap
@@ -335,80 +372,84 @@ def _apply_classes_py(
     used = 0
     for chunk_start in range(0, bits.size, CHUNK):
         words = chunk_masks(bits[chunk_start : chunk_start + CHUNK], keymask, lo, width, masks)
-        for wl in range(words):
-            base = chunk_start + wl * 64
-            union = np.uint64(0)
-            for c in range(classes):
-                m0 = masks[c, wl]
-                if not m0:
-                    continue
-                e = np.uint64(0)
-                i = ev[c]
-                end = gap_at[c + 1]
-                if i < end:
-                    # Event ranks among the word's members: each the previous one plus
-                    # its gap plus one, so the selects do not wait on each other.
-                    rank = pending[c]
-                    pc = np.uint64(popcount(m0))
-                    while rank < pc:
-                        e |= np.uint64(1) << np.uint64(select64(m0, rank))
-                        i += 1
-                        if i == end:
-                            break
-                        g = gaps[i]
-                        if g >= limit:
-                            return ERR_EVENTS
-                        rank += g + np.uint64(1)
-                    ev[c] = i
-                    pending[c] = rank - pc
-                own = m0 & ~e if complement[c] else e
-                if not own:
-                    continue
-                union |= own
-                j = cursor[c]
-                if j + popcount(own) > value_at[c + 1]:
-                    return ERR_EVENTS
-                if mode == 2:
-                    # The class's next magnitude: its change index, or none.
-                    a = next_at[c]
-                    marked = index[a] if a < index.size else no_index
-                    while own:
-                        pos = base + trailing_zeros(own)
-                        own &= own - np.uint64(1)
-                        step = np.uint64(1)
-                        if marked == np.uint64(j):
-                            step += np.uint64(magnitudes[a]) + np.uint64(1)
-                            a += 1
-                            marked = index[a] if a < index.size else no_index
-                        b = np.uint64(bits[pos])
-                        key = b ^ full if b & top else b ^ top
-                        sub = np.uint64(0) - np.uint64((down[j >> 3] >> (7 - (j & 7))) & 1)
-                        key = (key + step - ((step << np.uint64(1)) & sub)) & full
-                        bits[pos] = key ^ top if key & top else key ^ full
-                        j += 1
-                    used += a - next_at[c]
-                    next_at[c] = a
-                elif mode == 1:
-                    while own:
-                        bits[base + trailing_zeros(own)] ^= values[j]
-                        own &= own - np.uint64(1)
-                        j += 1
-                else:
-                    while own:
-                        bits[base + trailing_zeros(own)] = values[j]
-                        own &= own - np.uint64(1)
-                        j += 1
-                cursor[c] = j
-            if out + popcount(union) > found.size:
+        for w in range(per_chunk):
+            union[w] = 0
+        for c in range(classes):
+            total = np.uint64(0)
+            for w in range(words):
+                before[w] = total
+                # word_of[r] = the word holding the class's r-th member of the chunk: 64
+                # entries written per word, the next word's overwriting the excess (a
+                # search per event, whatever its form, mispredicted a branch per step).
+                word_of[total : total + np.uint64(64)] = w
+                total += np.uint64(popcount(masks[c, w]))
+                events[w] = 0
+            i = ev[c]
+            end = gap_at[c + 1]
+            if i < end:
+                rank = pending[c]
+                while rank < total:
+                    w = word_of[rank]
+                    events[w] |= np.uint64(1) << np.uint64(select64(masks[c, w], rank - before[w]))
+                    i += 1
+                    if i == end:
+                        break
+                    g = gaps[i]
+                    if g >= limit:
+                        return ERR_EVENTS
+                    rank += g + np.uint64(1)
+                ev[c] = i
+                pending[c] = rank - total
+            if complement[c]:
+                for w in range(words):
+                    own[w] = masks[c, w] & ~events[w]
+            else:
+                for w in range(words):
+                    own[w] = events[w]
+            for w in range(words):
+                union[w] |= own[w]
+            count = flatten(own, words, chunk_start, at, 0)
+            j = cursor[c]
+            if j + count > value_at[c + 1]:
                 return ERR_EVENTS
-            while union:
-                found[out] = base + trailing_zeros(union)
-                union &= union - np.uint64(1)
-                out += 1
+            if mode == 2:
+                # The class's next magnitude: its change index, or none.
+                a = next_at[c]
+                marked = index[a] if a < index.size else no_index
+                for q in range(count):
+                    pos = at[q]
+                    step_ = np.uint64(1)
+                    if marked == np.uint64(j):
+                        step_ += np.uint64(magnitudes[a]) + np.uint64(1)
+                        a += 1
+                        marked = index[a] if a < index.size else no_index
+                    b = np.uint64(bits[pos])
+                    key = b ^ full if b & top else b ^ top
+                    sub = np.uint64(0) - np.uint64((down[j >> 3] >> (7 - (j & 7))) & 1)
+                    key = (key + step_ - ((step_ << np.uint64(1)) & sub)) & full
+                    bits[pos] = key ^ top if key & top else key ^ full
+                    j += 1
+                used += a - next_at[c]
+                next_at[c] = a
+            elif mode == 1:
+                for q in range(count):
+                    bits[at[q]] ^= values[j + q]
+                j += count
+            else:
+                for q in range(count):
+                    bits[at[q]] = values[j + q]
+                j += count
+            cursor[c] = j
+        changes = 0
+        for w in range(words):
+            changes += popcount(union[w])
+        if out + changes > found.size - 3:
+            return ERR_EVENTS
+        out = flatten(union, words, chunk_start, found, out)
     for c in range(classes):
         if ev[c] != gap_at[c + 1] or cursor[c] != value_at[c + 1]:
             return ERR_EVENTS
-    if out != found.size or used != index.size:
+    if out != found.size - 3 or used != index.size:
         return ERR_EVENTS
     return OK
 
