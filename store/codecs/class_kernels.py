@@ -206,37 +206,31 @@ def _class_events_py(
     members, or its unchanged ones where complement[c]), its changes' new and old values to
     new_values / old_values[value_at[c]:], in element order."""
     classes, words = masks.shape
-    g = gap_at.copy()
-    v = value_at.copy()
-    run = np.zeros(classes, np.int64)  # members seen since the class's last event
-    for w in range(words):
-        ch = changed[w]
-        for c in range(classes):
+    for c in range(classes):  # a class at a time: its cursors stay in registers
+        flip = complement[c]
+        last = -1  # rank of the class's previous event, counted from the current word
+        j = gap_at[c]
+        k = value_at[c]
+        for w in range(words):
             m = masks[c, w]
-            if not m:
-                continue
+            ch = changed[w]
             own = m & ch
-            e = m & ~ch if complement[c] else own
+            e = m & ~ch if flip else own
             # Gaps from each event's rank among the word's members: independent popcounts.
-            last = -1 - run[c]  # rank of the class's previous event, counted from this word
-            j = g[c]
             while e:
                 rank = popcount(m & ((e & (np.uint64(0) - e)) - np.uint64(1)))
                 gaps[j] = rank - last - 1
                 last = rank
                 j += 1
                 e &= e - np.uint64(1)
-            run[c] = popcount(m) - 1 - last
-            g[c] = j
-            j = v[c]
+            last -= popcount(m)
             start = w * 64
             while own:
                 i = start + trailing_zeros(own)
                 own &= own - np.uint64(1)
-                new_values[j] = new[i]
-                old_values[j] = old[i]
-                j += 1
-            v[c] = j
+                new_values[k] = new[i]
+                old_values[k] = old[i]
+                k += 1
 
 
 def _append_bits_py(out: np.ndarray, at: int, src: np.ndarray, count: int) -> int:
