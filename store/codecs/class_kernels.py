@@ -256,19 +256,18 @@ def _append_bits_py(out: np.ndarray, at: int, src: np.ndarray, count: int) -> in
 
 
 def _class_members_py(
-    bits: np.ndarray, keymask: np.ndarray, lo: np.ndarray, width: np.ndarray
-) -> int:
-    """Elements of `bits` whose magnitude key lies in [lo[0], lo[0] + width[0])."""
-    km = keymask[0]
-    full = bits.size // 64
-    count = 0
-    for w in range(full):
-        count += popcount(word_mask(bits, 64 * w, km, lo[0], width[0]))
-    low = np.uint64(lo[0])
-    wide = np.uint64(width[0])
-    for i in range(full * 64, bits.size):
-        count += int(np.uint64(bits[i] & km) - low < wide)
-    return count
+    bits: np.ndarray, keymask: np.ndarray, lo: np.ndarray, width: np.ndarray, counts: np.ndarray
+) -> None:
+    """counts[c] = elements of `bits` whose magnitude key lies in [lo[c], lo[c] + width[c]),
+    every class counted in one read of the block."""
+    masks = np.empty((lo.size, CHUNK // 64), np.uint64)
+    for c in range(lo.size):
+        counts[c] = 0
+    for start in range(0, bits.size, CHUNK):
+        words = chunk_masks(bits[start : start + CHUNK], keymask, lo, width, masks)
+        for c in range(lo.size):
+            for w in range(words):
+                counts[c] += popcount(masks[c, w])
 
 
 def _flatten_py(own: np.ndarray, words: int, first: int, out: np.ndarray, at: int) -> int:
@@ -448,6 +447,21 @@ def _apply_classes_py(
     return OK
 
 
+def _bits64_py(data: np.ndarray, at: int) -> np.uint64:
+    """The 64 bits of `data` (most significant first) from bit `at`, zeros past its end."""
+    first = at >> 3
+    word = np.uint64(0)
+    for t in range(8):
+        byte = data[first + t] if first + t < data.size else 0
+        word = (word << np.uint64(8)) | np.uint64(byte)
+    after = np.uint64(data[first + 8] if first + 8 < data.size else 0)
+    skip = np.uint64(at & 7)
+    return (word << skip) | (after >> (np.uint64(8) - skip))
+
+
+bits64 = _jit(_bits64_py)
+
+
 def _rice_bits_py(
     low: np.ndarray,
     low_at: int,
@@ -460,32 +474,41 @@ def _rice_bits_py(
     """Decode out.size Rice codes whose low bits are r planes of out.size bits each from
     bit `low_at` of `low`, and whose unary codes start at bit `unary_at` of `unary` (bits
     most significant first). Returns the bit after the last code, or -1 if the codes run
-    past `unary_end`."""
+    past `unary_end`. Both streams are read 64 bits at a time from any bit offset: the
+    unary codes by a leading-zero count per code, the low bits 64 values per window."""
     k = out.size
+    shift = np.uint64(r)
     pos = unary_at
-    for i in range(k):
-        q = 0
-        while True:  # a byte at a time: the next one bit by a leading-zero count
-            if pos >= unary_end:
-                return -1
-            skip = pos & 7
-            b = (np.uint32(unary[pos >> 3]) << np.uint32(skip)) & np.uint32(0xFF)
-            if b == 0:
-                q += 8 - skip
-                pos += 8 - skip
-                continue
-            zeros = leading_zeros(np.uint8(b))
-            q += zeros
-            pos += zeros + 1
-            break
-        if pos > unary_end:
+    i = 0
+    q = 0  # zeros of the current code before this window
+    while i < k:
+        if pos >= unary_end:
             return -1
-        out[i] = np.uint64(q) << np.uint64(r)
+        window = bits64(unary, pos)
+        valid = min(64, unary_end - pos)
+        if valid < 64:  # bits past the stream's end are not codes
+            window &= ~(np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(valid))
+        used = 0  # bits of this window consumed
+        while window and i < k:
+            one = int(leading_zeros(window))
+            out[i] = np.uint64(q + one - used) << shift
+            i += 1
+            q = 0
+            used = one + 1
+            window ^= np.uint64(1) << np.uint64(63 - one)
+        if i == k:
+            pos += used
+            break
+        q += valid - used
+        pos += valid
     for j in range(r):
         base = low_at + j * k
-        for i in range(k):
-            at = base + i
-            out[i] |= np.uint64((low[at >> 3] >> (7 - (at & 7))) & 1) << np.uint64(j)
+        plane = np.uint64(j)
+        for first in range(0, k, 64):
+            window = bits64(low, base + first)
+            for t in range(min(64, k - first)):
+                bit = (window >> np.uint64(63 - t)) & np.uint64(1)
+                out[first + t] |= bit << plane
     return pos
 
 

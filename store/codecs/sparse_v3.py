@@ -340,12 +340,15 @@ class SparseV3Codec(SparseV2Codec):
         what: str,
     ) -> None:
         """Fill in a complement class's change count (its members less its events): the
-        block's count less the others' where it is the only one, else by counting its
-        members (a pass over the block, rare: two classes that mostly change)."""
+        block's count less the others' where it is the only one, else by counting the
+        members of all but the last of them in one more read of the block."""
         open_ = [c for c, count in enumerate(counts) if count < 0]
-        for c in open_[:-1] if len(open_) > 1 else []:
-            members = class_members(bits, keymask, lo[c : c + 1], width[c : c + 1])
-            counts[c] = members - (gap_at[c + 1] - gap_at[c])
+        if len(open_) > 1:
+            counted = open_[:-1]
+            members = np.empty(len(counted), np.int64)
+            class_members(bits, keymask, lo[counted], width[counted], members)
+            for c, count in zip(counted, members.tolist(), strict=True):
+                counts[c] = count - (gap_at[c + 1] - gap_at[c])
         if open_:
             last = open_[-1]
             counts[last] = 0
