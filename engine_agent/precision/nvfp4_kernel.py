@@ -22,9 +22,14 @@ scale (that is the caller's).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from engine_agent.precision.fp8_kernel import bf16_value, e4m3_code, e4m3_value
 
@@ -35,6 +40,10 @@ _B250, _B350, _B500 = np.float32(2.5), np.float32(3.5), np.float32(5.0)
 _MIN_SCALE = np.float32(2.0**-9)  # `nvfp4.E4M3_MIN_SUBNORMAL`
 _MAX_SCALE = np.float32(448.0)
 _CHUNK = 512  # distinct groups gathered per step (their scratch stays in L1)
+# Positions ahead of the gather whose group's three cache lines are prefetched. A prefetch
+# retires at once, so far more misses are in flight than loads alone keep waiting (A/B on
+# 24 tensors of 3072×1024 at 0.25 %, interleaved: 12–28 % less time per changed group).
+_AHEAD = 64
 _TOPS_PER_STEP = 512  # groups whose amax a full conversion finds per step (scratch in L1)
 # cache=True: the compiled code is kept on disk, so each process (engine agents, tests)
 # pays the ~1 s compilation once per machine rather than at every first conversion.
@@ -127,6 +136,28 @@ def _fill_code_bounds(scale_2: np.float32, code: np.uint8, table: np.ndarray) ->
     table[code, _READY] = 1
 
 
+def _prefetch_intrinsic(typingctx: Any, array: Any, index: Any) -> Any:
+    """Ask for the cache line of `array[index]` (LLVM's prefetch: read, all cache levels)."""
+    sig = types.void(array, index)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        ptr = builder.gep(ary.data, [args[1]])
+        i8p = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+        insert: Any = cgutils.get_or_insert_function
+        fn = insert(builder.module, fnty, "llvm.prefetch.p0i8")
+        flags = [ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)]
+        builder.call(fn, [builder.bitcast(ptr, i8p), *flags])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+_prefetch: Any = intrinsic(_prefetch_intrinsic)
+
+
 @_jit
 def _scale_code(amax: np.float32, denominator: np.float32) -> np.uint8:
     # `nvfp4.group_scales`: amax/(6·scale_2), 1.0 for a zero group, clamped, cast.
@@ -205,6 +236,12 @@ def _recode_groups_in_place(
             if p < 0 or p >= weight.size:
                 raise IndexError("a changed position lies outside the tensor")
             g = p >> 4
+            if i + _AHEAD < positions.size:
+                ahead = positions[i + _AHEAD] >> 4
+                if 0 <= ahead < scale_bytes.size:  # an outside position raises when met
+                    _prefetch(weight, ahead * _GROUP)
+                    _prefetch(packed, ahead * (_GROUP // 2))
+                    _prefetch(scale_bytes, ahead)
             if g != last:
                 if n == _CHUNK:
                     break  # the chunk is full; this group starts the next one
