@@ -1,8 +1,10 @@
-"""Compiled (numba) FP8 block recoding for incremental conversion: one pass per tensor.
+"""Compiled (numba) FP8 block conversion: full and incremental, one pass per tensor.
 
-Owns `recode_changes`, which patches a converted FP8 tensor (codes, 128×128 tile scales and
-the per-tile thresholds `engine_agent.precision.incremental` keeps) for a sorted list of
-changed element positions, and the scalar E4M3 cast it and the NVFP4 kernel share.
+Owns `quantize_full` (a BF16 weight's full conversion, read from its bits), `recode_changes`,
+which patches a converted FP8 tensor (codes, 128×128 tile scales and the per-tile thresholds
+`engine_agent.precision.incremental` keeps) for a sorted list of changed element positions,
+and the E4M3 casts they and the NVFP4 kernel share (`e4m3_code`, and the branch-free
+`e4m3_saturating_code` that vectorises).
 
 Every number is computed with the fp32 operations `engine_agent.precision.fp8` runs as torch
 ops (IEEE division, clamp to ±448, round-to-nearest-even cast with torch's rules, `amax/448`

@@ -1,5 +1,7 @@
 """The compiled inner loops of NVFP4 encoding: per-group amax, E2M1 coding plus packing,
-and the incremental recoding of the groups a change touched.
+the incremental recoding of the groups a change touched, and a BF16 weight's full
+conversion in one division-free pass (`quantize_full`, coding with the same per-scale
+bounds as the incremental recoder).
 
 Owns numba kernels over fp32 16-element groups `[G, 16]` and, for incremental conversion,
 `recode_groups` over a BF16 tensor and sorted changed positions. A chain of torch
