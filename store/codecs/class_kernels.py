@@ -583,16 +583,25 @@ def _choose_classes_py(
                 best[0, 1, i] = h2_bits(n_sum[i], k) + live_bits + class_bits
         else:
             best[0, 0, i] = class_bits
+    # Each class's cost (bins j..i-1) once, not once per class count and live count: the
+    # logarithms were most of the search. The same expression, so the same bits.
+    has = np.zeros((m + 1, m + 1), np.bool_)
+    seg = np.zeros((m + 1, m + 1))
+    for i in range(1, m + 1):
+        for j in range(1, i):
+            k = k_sum[i] - k_sum[j]
+            if k > 0:
+                has[j, i] = True
+                seg[j, i] = h2_bits(n_sum[i] - n_sum[j], k) + live_bits
     for c in range(1, max_classes):
         for live in range(max_live + 1):
             for i in range(c + 1, m + 1):
                 for j in range(c, i):
-                    k = k_sum[i] - k_sum[j]
-                    if k > 0:
+                    if has[j, i]:
                         if live == 0:
                             continue
                         prev = best[c - 1, live - 1, j]
-                        cost = h2_bits(n_sum[i] - n_sum[j], k) + live_bits
+                        cost = seg[j, i]
                     else:
                         prev = best[c - 1, live, j]
                         cost = 0.0
