@@ -371,16 +371,19 @@ def _apply_classes_py(
             total = np.uint64(0)
             for w in range(words):
                 before[w] = total
-                # word_of[r] = the word holding the class's r-th member of the chunk: 64
-                # entries written per word, the next word's overwriting the excess (a
-                # search per event, whatever its form, mispredicted a branch per step).
-                word_of[total : total + np.uint64(64)] = w
                 total += np.uint64(popcount(masks[c, w]))
                 events[w] = 0
             i = ev[c]
             end = gap_at[c + 1]
             if i < end:
                 rank = pending[c]
+                if rank < total:
+                    # word_of[r] = the word holding the class's r-th member of the chunk:
+                    # 64 entries written per word, the next word's overwriting the excess
+                    # (a search per event, whatever its form, mispredicted a branch per
+                    # step). Only for a chunk that holds events of the class.
+                    for w in range(words):
+                        word_of[before[w] : before[w] + np.uint64(64)] = w
                 while rank < total:
                     w = word_of[rank]
                     events[w] |= np.uint64(1) << np.uint64(select64(masks[c, w], rank - before[w]))
