@@ -122,9 +122,19 @@ class _Nvfp4Group:
     # 448 costs a scan of the whole fused group.
     holders: dict[str, np.ndarray] | None = None
     holder_bits: int = -1
-    # Where each group scale's E2M1 codes step (`nvfp4_kernel.new_code_bounds`), valid for
-    # `scale_2` only: dropped whenever the group is converted in full.
-    code_bounds: np.ndarray | None = None
+    # What the compiled recoding reuses between versions, valid for `scale_2` and the
+    # current output tensors only: dropped whenever the group is converted in full.
+    kernel: _Nvfp4Kernel | None = None
+
+
+@dataclass
+class _Nvfp4Kernel:
+    # Where each group scale's E2M1 codes step (`nvfp4_kernel.new_code_bounds`).
+    code_bounds: np.ndarray
+    scale_2: float
+    # Per member, flat numpy views of its packed codes and scale bytes: made once rather
+    # than per version (a few µs each, per tensor, on a step that takes a few ms).
+    outputs: dict[str, tuple[np.ndarray, np.ndarray]]
 
 
 def _amax_holders(
@@ -423,10 +433,19 @@ class IncrementalConverter:
     ) -> int:
         """`_nvfp4_group` with one compiled pass per changed tensor (`nvfp4_kernel`)."""
         assert _nvfp4_kernel is not None
-        needs_full = not _scale_is_normal(float(entry.scale_2))
+        kernel = entry.kernel
+        if kernel is None:
+            outputs = {
+                m: (
+                    state.out[f"{m}.weight"].view(-1).numpy(),
+                    state.out[f"{m}.weight_scale"].view(-1).view(torch.uint8).numpy(),
+                )
+                for m in entry.members
+            }
+            kernel = _Nvfp4Kernel(_nvfp4_kernel.new_code_bounds(), float(entry.scale_2), outputs)
+            entry.kernel = kernel
+        needs_full = not _scale_is_normal(kernel.scale_2)
         updates: dict[str, tuple[np.ndarray, Any]] = {}
-        if entry.code_bounds is None:
-            entry.code_bounds = _nvfp4_kernel.new_code_bounds()
         for module, weight in weights.items():
             positions = touched.get(f"{module}.weight")
             if needs_full or positions is None:
@@ -439,10 +458,9 @@ class IncrementalConverter:
             update = _nvfp4_kernel.recode_groups_in_place(
                 _bf16_bits(weight),
                 positions,
-                float(entry.scale_2),
-                state.out[f"{module}.weight"].view(-1).numpy(),
-                state.out[f"{module}.weight_scale"].view(-1).view(torch.uint8).numpy(),
-                entry.code_bounds,
+                kernel.scale_2,
+                *kernel.outputs[module],
+                kernel.code_bounds,
                 entry.holder_bits,
             )
             # Unchanged elements never exceed the old global amax, so this is the changes'.
@@ -474,7 +492,7 @@ class IncrementalConverter:
         entry.global_amax = amax
         entry.scale_2 = state.out[f"{entry.members[0]}.weight_scale_2"]
         entry.holder_bits, entry.holders = _amax_holders(weights, amax)
-        entry.code_bounds = None
+        entry.kernel = None
 
 
 def _next_holders(
