@@ -17,19 +17,12 @@ Must never decide which tensors get quantized (that is `engine_agent.precision.p
 
 from __future__ import annotations
 
-import logging
-from types import ModuleType
-
 import numpy as np
 import torch
 
-log = logging.getLogger(__name__)
-_kernel: ModuleType | None
-try:
-    from engine_agent.precision import fp8_kernel as _kernel
-except ImportError:  # numba missing (an environment installed before it joined the extra)
-    _kernel = None
-    log.warning("numba is not installed: FP8 conversion runs as torch ops, about 1.5x slower")
+from engine_agent.precision.compiled import compiled_kernel
+
+_kernel = compiled_kernel("fp8_kernel", "FP8 conversion runs as torch ops, about 1.5x slower")
 
 BLOCK = 128
 E4M3_MAX = 448.0

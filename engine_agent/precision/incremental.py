@@ -34,30 +34,24 @@ tensors.
 from __future__ import annotations
 
 import copy
-import logging
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from types import ModuleType
 from typing import Any
 
 import numpy as np
 import torch
 
 from engine_agent.precision import fp8, nvfp4
+from engine_agent.precision.compiled import compiled_kernel
 from engine_agent.precision.convert import convert_tensors
 from engine_agent.precision.plan import QuantPlan, check_precision, plan_quantization
 from store.tensors import RawTensor
 
-_fp8_kernel: ModuleType | None
-_nvfp4_kernel: ModuleType | None
-try:
-    from engine_agent.precision import fp8_kernel as _fp8_kernel
-    from engine_agent.precision import nvfp4_kernel as _nvfp4_kernel
-except ImportError:  # numba missing: the torch ops below give the same bytes, slower
-    _fp8_kernel = _nvfp4_kernel = None
+# numba missing: the torch ops below give the same bytes, slower.
+_fp8_kernel = compiled_kernel("fp8_kernel", "incremental FP8 recoding runs as torch ops")
+_nvfp4_kernel = compiled_kernel("nvfp4_kernel", "incremental NVFP4 recoding runs as torch ops")
 
-log = logging.getLogger(__name__)
 
 # Above this share of changed elements a tensor is converted in full: recoding scattered
 # elements costs several times more per element than a streaming conversion.

@@ -20,20 +20,14 @@ Must never choose the global amax itself: fused groups share it, and that is dec
 
 from __future__ import annotations
 
-import logging
 import math
-from types import ModuleType
 
 import numpy as np
 import torch
 
-log = logging.getLogger(__name__)
-_kernel: ModuleType | None
-try:
-    from engine_agent.precision import nvfp4_kernel as _kernel
-except ImportError:  # numba missing (an environment installed before it joined the extra)
-    _kernel = None
-    log.warning("numba is not installed: NVFP4 encoding runs as torch ops, about 5x slower")
+from engine_agent.precision.compiled import compiled_kernel
+
+_kernel = compiled_kernel("nvfp4_kernel", "NVFP4 encoding runs as torch ops, about 5x slower")
 
 GROUP = 16
 E2M1_MAX = 6.0
