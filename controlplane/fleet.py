@@ -102,6 +102,7 @@ class Fleet:
 
     def install(self, snap: FleetSnapshot) -> None:
         self.snapshot = snap
+        self.outage.view_refreshed(snap.built_at)
         self.metrics.observe_fleet(snap)
         for observe in self.observers:
             try:

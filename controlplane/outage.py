@@ -49,6 +49,10 @@ class Outage:
         self._lock = threading.Lock()
         self._logged_at = 0.0
         self._suppressed = 0
+        # After a recovery: (the frozen clock, when the leases were renewed). The router's
+        # snapshot still holds the leases read before the outage until a snapshot built
+        # after the renewal is installed, so the clock stays frozen until then.
+        self._thawing: tuple[float, float] | None = None
 
     def failed(self, exc: BaseException, during: str) -> DatabaseUnavailable:
         """Note a failed database call; the error to answer with."""
@@ -86,17 +90,28 @@ class Outage:
             renewed = self.registry.extend_leases(alive_at=since)
             self.since = None
             self._suppressed = 0
+            self._thawing = (since, time.time())
         log.warning(
             "database answers again after %.1fs; renewed %d engine lease(s)",
             time.time() - since,
             renewed,
         )
 
+    def view_refreshed(self, built_at: float) -> None:
+        """A fleet snapshot read at `built_at` is now the router's: once one was read after
+        the leases were renewed, the lease clock runs again."""
+        with self._lock:
+            if self._thawing is not None and built_at >= self._thawing[1]:
+                self._thawing = None
+
     def lease_clock(self) -> float:
         """The time the router compares leases with: frozen at the start of an outage,
-        for at most `stale_view_s`, so the last known fleet keeps serving."""
+        for at most `stale_view_s`, so the last known fleet keeps serving; and after it,
+        until a snapshot with the renewed leases is the router's (`view_refreshed`)."""
         now = time.time()
         since = self.since
+        if since is None and self._thawing is not None:
+            since = self._thawing[0]
         if since is not None and now - since < self.stale_view_s:
             return since
         return now
