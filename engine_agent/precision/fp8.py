@@ -17,10 +17,9 @@ Must never decide which tensors get quantized (that is `engine_agent.precision.p
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from engine_agent.precision.compiled import compiled_kernel
+from engine_agent.precision.compiled import bf16_bits, compiled_kernel
 
 _kernel = compiled_kernel("fp8_kernel", "FP8 conversion runs as torch ops, about 1.5x slower")
 
@@ -89,7 +88,7 @@ def quantize_fp8_block(
         raise ValueError(f"expected a 2-D Linear weight, found shape {tuple(weight.shape)}")
     rows, cols = weight.shape
     if _kernel is not None and weight.dtype == torch.bfloat16 and block == BLOCK and rows:
-        bits = weight.contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1)
+        bits = bf16_bits(weight)
         codes, scale = _kernel.quantize_full(bits, (rows, cols))
         q = torch.from_numpy(codes).view(torch.float8_e4m3fn).view(rows, cols)
         return q, torch.from_numpy(scale).view(-(-rows // block), -(-cols // block))

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from engine_agent.precision import fp8, nvfp4
-from engine_agent.precision.compiled import compiled_kernel
+from engine_agent.precision.compiled import bf16_bits, compiled_kernel
 from engine_agent.precision.convert import convert_tensors
 from engine_agent.precision.plan import QuantPlan, check_precision, plan_quantization
 from store.tensors import RawTensor
@@ -140,16 +140,11 @@ def _amax_holders(
     bits = int(torch.tensor(amax).to(torch.bfloat16).view(torch.int16).item()) & 0x7FFF
     holders = {}
     for module, weight in weights.items():
-        magnitude = _bf16_bits(weight) & 0x7FFF
+        magnitude = bf16_bits(weight) & 0x7FFF
         holders[module] = np.flatnonzero(magnitude == bits)
         if sum(h.size for h in holders.values()) > _MAX_HOLDERS:
             return -1, None
     return bits, holders
-
-
-def _bf16_bits(weight: torch.Tensor) -> np.ndarray:
-    """A BF16 tensor's elements as a flat uint16 array (a view)."""
-    return weight.reshape(-1).view(torch.int16).numpy().view(np.uint16)
 
 
 @dataclass
@@ -331,7 +326,7 @@ class IncrementalConverter:
             return int(entry.scale.numel())
         if _fp8_kernel is not None:
             redone: int = _fp8_kernel.recode_changes(
-                weight.view(-1).view(torch.int16).numpy().view(np.uint16),
+                bf16_bits(weight),
                 (weight.shape[0], cols),
                 positions,
                 entry.q.view(-1).view(torch.uint8).numpy(),
@@ -450,7 +445,7 @@ class IncrementalConverter:
             # Written in place at once: if the global amax turns out to have moved, the
             # full conversion of the group below overwrites every byte of it.
             update = _nvfp4_kernel.recode_groups_in_place(
-                _bf16_bits(weight),
+                bf16_bits(weight),
                 positions,
                 kernel.scale_2,
                 *kernel.outputs[module],

@@ -22,10 +22,9 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 
-from engine_agent.precision.compiled import compiled_kernel
+from engine_agent.precision.compiled import bf16_bits, compiled_kernel
 
 _kernel = compiled_kernel("nvfp4_kernel", "NVFP4 encoding runs as torch ops, about 5x slower")
 
@@ -91,7 +90,7 @@ def tensor_amax(weight: torch.Tensor) -> float:
     if weight.numel() == 0:
         return 0.0
     if _kernel is not None and weight.dtype == torch.bfloat16:
-        bits = weight.contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1)
+        bits = bf16_bits(weight)
         return float(_kernel.tensor_amax_bits(bits))
     return max(float(weight.max()), -float(weight.min()))
 
@@ -157,7 +156,7 @@ def quantize_nvfp4(
     # bisection, which holds for a finite positive `scale_2` only (an inf or NaN weight
     # makes it inf or NaN: then the division below decides, as it defines the bytes).
     if _kernel is not None and weight.dtype == torch.bfloat16 and math.isfinite(scale_2.item()):
-        bits = weight.contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1)
+        bits = bf16_bits(weight)
         codes, scales = _kernel.quantize_full(bits, scale_2.item())
         block_scale = torch.from_numpy(scales).view(torch.float8_e4m3fn)
         return (

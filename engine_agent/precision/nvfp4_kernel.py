@@ -418,10 +418,7 @@ def _quantize_full(
         top = tops[k]
         code = scale_of_top[top]
         if code == 0xFF:
-            # `nvfp4.group_scales`: amax/(6·scale_2), 1.0 for a zero or NaN amax, clamped.
-            amax = bf16_value(top)
-            ideal = amax / denominator if amax > 0 else np.float32(1.0)
-            code = e4m3_code(min(max(ideal, _MIN_SCALE), _MAX_SCALE))
+            code = _scale_code(bf16_value(top), denominator)
             scale_of_top[top] = code
         scale_bytes[g] = code
         if code_bounds[code, _READY] == 0:
