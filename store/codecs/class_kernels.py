@@ -9,9 +9,10 @@ picks classes from, and the choice of classes itself.
 
 The block is read once per pass whatever the number of classes: per 4096-element chunk
 every class's masks are built with one vector compare per 64 elements (`word_mask`, about
-0.03 ns per element per class) while the chunk is in L1. Events are placed by their rank
-among a word's members (`select64`, broadword, no per-bit loop), each rank the previous
-one plus its gap plus one, so consecutive selects do not wait on each other.
+0.03 ns per element per class) while the chunk is in L1. A class's events are set in a
+bitmap by their rank among its members (each rank the previous one plus its gap plus one)
+and deposited on each word's members at once (`deposit`: x86 BMI2 pdep through its LLVM
+intrinsic where it is fast; elsewhere a broadword `select64` per event).
 
 Kernels never raise: decoders return an error code that `sparse_v3` turns into
 `CorruptPayload`. They never interpret payload headers or allocate per element.
@@ -24,6 +25,7 @@ from typing import Any
 
 import numba
 import numpy as np
+from llvmlite import binding as llvm
 from llvmlite import ir
 from numba.core import types
 from numba.extending import intrinsic
@@ -85,6 +87,58 @@ def _select64_py(x: np.uint64, r: np.uint64) -> int:
 
 
 select64 = _jit(_select64_py)
+
+
+def _bmi2_intrinsic(name: str) -> Any:
+    """`name(src, mask)` as the x86 BMI2 instruction (pdep: one instruction of three
+    cycles on the CPUs it is used on), through its LLVM intrinsic, as `word_mask` emits
+    vector compares."""
+
+    def typer(typingctx: Any, src: Any, mask: Any) -> Any:
+        if not (isinstance(src, types.Integer) and isinstance(mask, types.Integer)):
+            return None
+        signature = types.uint64(types.uint64, types.uint64)
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            word = ir.IntType(64)
+            symbol = f"llvm.x86.bmi.{name}.64"
+            function = builder.module.globals.get(symbol) or ir.Function(
+                builder.module, ir.FunctionType(word, [word, word]), symbol
+            )
+            return builder.call(function, list(args))
+
+        return signature, codegen
+
+    return intrinsic(typer)
+
+
+def _deposit_py(x: np.uint64, m: np.uint64) -> np.uint64:
+    """The low bits of `x` placed, in order, on the set bits of `m` (pdep): one select per
+    set bit of x, for CPUs without a fast pdep."""
+    out = np.uint64(0)
+    x = np.uint64(x)
+    count = popcount(m)
+    if count < 64:  # pdep reads only as many bits of x as m has
+        x &= (np.uint64(1) << np.uint64(count)) - np.uint64(1)
+    while x:
+        out |= np.uint64(1) << np.uint64(select64(m, trailing_zeros(x)))
+        x &= x - np.uint64(1)
+    return out
+
+
+def _fast_bmi2() -> bool:
+    """Whether this CPU has BMI2 with a fast pdep/pext. AMD before Zen 3 runs them in
+    microcode (up to hundreds of cycles, worse than the broadword select), so they are
+    used only where they are single instructions."""
+    features = llvm.get_host_cpu_features()
+    return bool(features.get("bmi2")) and llvm.get_host_cpu_name() not in _SLOW_PDEP
+
+
+_SLOW_PDEP = {"znver1", "znver2", "bdver4", "bdver3", "bdver2", "bdver1", "btver2"}
+FAST_BMI2 = _fast_bmi2()
+# Which deposit the compiled kernels call is fixed per machine, as numba's cache is (its
+# index holds the CPU name and features).
+deposit: Any = _bmi2_intrinsic("pdep") if FAST_BMI2 else _jit(_deposit_py)
 
 CHUNK = 4096  # elements classified per step: their masks stay in L1 while walked
 
@@ -317,16 +371,17 @@ def _apply_classes_py(
     """Apply a class-form block in one pass over its elements; OK or an error code.
 
     Per chunk of CHUNK elements the classes' member masks are built at once
-    (`chunk_masks`). Then per class: its events in the chunk are placed by rank (an
-    event's word comes from a table of each member's word, built 64 entries per word, and
-    its bit from `select64`, each rank the previous one plus its gap
-    plus one, so nothing waits on the previous event); its changes (its events, or its
-    members less them for a complement class) are listed in element order (`flatten`) and
-    take their values in one straight loop: values are stored class by class, value_at[c]
-    .. value_at[c + 1] being class c's (mode 0 NEW, 1 XOR: `values`; 2 STEP: sign bit j of
-    `down`, and magnitudes[a] + 2 ulps instead of 1 where index[a] == j). The union of the
-    chunk's changes goes to `found` (three elements of slack past the block's count) in
-    element order. Checks: every gap lands on a member, every class has exactly its count
+    (`chunk_masks`). Then per class: its events in the chunk are set in a bitmap by rank
+    among the class's members (each rank the previous one plus its gap plus one, 64 ranks
+    per register) and each word's share of that bitmap is deposited on the word's members
+    (`deposit`: pdep, or a select per event where pdep is slow or absent); its changes
+    (its events, or its members less them for a complement class) are listed in element
+    order (`flatten`) and take their values in one straight loop: values are stored class
+    by class, value_at[c] .. value_at[c + 1] being class c's (mode 0 NEW, 1 XOR:
+    `values`; 2 STEP: sign bit j of `down`, and magnitudes[a] + 2 ulps instead of 1 where
+    index[a] == j; both end with a sentinel, index's all ones). The union of the chunk's
+    changes goes to `found` (three elements of slack past the block's count) in element
+    order. Checks: every gap lands on a member, every class has exactly its count
     of changes, `found` is filled exactly, every magnitude is used.
     """
     classes = lo.size
@@ -335,7 +390,7 @@ def _apply_classes_py(
     per_chunk = CHUNK // 64
     masks = np.empty((classes, per_chunk), np.uint64)
     before = np.empty(per_chunk, np.uint64)  # a class's members before each word
-    word_of = np.empty(CHUNK + 64, np.uint8)  # the word of each of its members
+    ranked = np.zeros(per_chunk + 1, np.uint64)  # its events by rank among its members
     events = np.zeros(per_chunk, np.uint64)  # its events in each word
     own = np.zeros(per_chunk, np.uint64)  # its changes in each word
     union = np.zeros(per_chunk, np.uint64)
@@ -352,7 +407,7 @@ def _apply_classes_py(
                 return ERR_EVENTS
         start = value_at[c]
         a = 0
-        above = index.size
+        above = index.size - 1
         while a < above:  # first magnitude index >= start
             mid = (a + above) // 2
             if index[mid] < np.uint64(start):
@@ -360,7 +415,6 @@ def _apply_classes_py(
             else:
                 above = mid
         next_at[c] = a
-    no_index = np.uint64(0xFFFFFFFFFFFFFFFF)
     out = 0
     used = 0
     for chunk_start in range(0, bits.size, CHUNK):
@@ -378,22 +432,41 @@ def _apply_classes_py(
             if i < end:
                 rank = pending[c]
                 if rank < total:
-                    # word_of[r] = the word holding the class's r-th member of the chunk:
-                    # 64 entries written per word, the next word's overwriting the excess
-                    # (a search per event, whatever its form, mispredicted a branch per
-                    # step). Only for a chunk that holds events of the class.
+                    # The events as a bitmap over the class's members in the chunk (bit r:
+                    # its r-th member), built in a register per 64 members; then each
+                    # word's share of it deposited on the word's members (pdep). Per
+                    # event: a shift and an or; selects and a word table cost ~8 ns.
+                    for q in range(np.int64((total + np.uint64(63)) >> np.uint64(6)) + 1):
+                        ranked[q] = 0
+                    q = rank >> np.uint64(6)
+                    acc = np.uint64(0)
+                    while True:
+                        acc |= np.uint64(1) << (rank & np.uint64(63))
+                        i += 1
+                        if i == end:
+                            break
+                        g = gaps[i]
+                        if g >= limit:
+                            return ERR_EVENTS
+                        rank += g + np.uint64(1)
+                        if rank >= total:
+                            break
+                        if rank >> np.uint64(6) != q:
+                            ranked[q] = acc
+                            acc = np.uint64(0)
+                            q = rank >> np.uint64(6)
+                    ranked[q] = acc
                     for w in range(words):
-                        word_of[before[w] : before[w] + np.uint64(64)] = w
-                while rank < total:
-                    w = word_of[rank]
-                    events[w] |= np.uint64(1) << np.uint64(select64(masks[c, w], rank - before[w]))
-                    i += 1
-                    if i == end:
-                        break
-                    g = gaps[i]
-                    if g >= limit:
-                        return ERR_EVENTS
-                    rank += g + np.uint64(1)
+                        first = before[w]
+                        at_word = first >> np.uint64(6)
+                        off = first & np.uint64(63)
+                        # bits first.. of the bitmap; the second shift is split so that an
+                        # offset of 0 shifts by 64 in two legal steps
+                        x = (ranked[at_word] >> off) | (
+                            (ranked[at_word + np.uint64(1)] << np.uint64(1))
+                            << (np.uint64(63) - off)
+                        )
+                        events[w] = deposit(x, masks[c, w])
                 ev[c] = i
                 pending[c] = rank - total
             if complement[c]:
@@ -409,16 +482,15 @@ def _apply_classes_py(
             if j + count > value_at[c + 1]:
                 return ERR_EVENTS
             if mode == 2:
-                # The class's next magnitude: its change index, or none.
+                # The class's next magnitude by its change index (the sentinel past the
+                # last never matches), taken without a branch: whether a change has one
+                # is close to a coin toss at high density.
                 a = next_at[c]
-                marked = index[a] if a < index.size else no_index
                 for q in range(count):
                     pos = at[q]
-                    step_ = np.uint64(1)
-                    if marked == np.uint64(j):
-                        step_ += np.uint64(magnitudes[a]) + np.uint64(1)
-                        a += 1
-                        marked = index[a] if a < index.size else no_index
+                    hit = np.uint64(index[a] == np.uint64(j))
+                    step_ = np.uint64(1) + hit * (np.uint64(magnitudes[a]) + np.uint64(1))
+                    a += np.int64(hit)
                     b = np.uint64(bits[pos])
                     key = b ^ full if b & top else b ^ top
                     sub = np.uint64(0) - np.uint64((down[j >> 3] >> (7 - (j & 7))) & 1)
@@ -445,7 +517,7 @@ def _apply_classes_py(
     for c in range(classes):
         if ev[c] != gap_at[c + 1] or cursor[c] != value_at[c + 1]:
             return ERR_EVENTS
-    if out != found.size - 3 or used != index.size:
+    if out != found.size - 3 or used != index.size - 1:
         return ERR_EVENTS
     return OK
 

@@ -376,7 +376,10 @@ class SparseV3Codec(SparseV2Codec):
         width = bits.dtype.itemsize
         values = np.empty(0, bits.dtype)
         down = np.empty(0, np.uint8)
-        index = magnitude = np.empty(0, np.uint64)
+        # Each with one sentinel past its end (an index no change has), so the kernel
+        # reads the next magnitude without a bounds test.
+        index = np.full(1, np.iinfo(np.uint64).max, np.uint64)
+        magnitude = np.zeros(1, np.uint64)
         if header.mode != VALUES_STEP:
             values = join_planes(streams, width)
         else:
@@ -390,7 +393,8 @@ class SparseV3Codec(SparseV2Codec):
                 )
                 if int(at.max()) >= found.size - 3:
                     raise CorruptPayload(f"{what} places a magnitude past its last change")
-                index = np.cumsum(at + np.uint64(1)) - np.uint64(1)
+                index = np.append(np.cumsum(at + np.uint64(1)) - np.uint64(1), index)
+                magnitude = np.append(magnitude, np.uint64(0))
         return int(
             apply_classes(
                 bits,

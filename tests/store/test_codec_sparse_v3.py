@@ -4,12 +4,13 @@ to sparse-v2 blocks where they do not, and older encodings still fold."""
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from store.codecs import encode_version, fold
+from store.codecs import class_kernels, encode_version, fold
 from store.codecs.delta import encode_delta
 from store.codecs.fold import read_manifest
 from store.codecs.sparse_v2 import SparseV2Codec
@@ -161,6 +162,34 @@ def test_a_class_where_every_element_changes_costs_no_positions():
     changes = int((new != old).sum())
     assert payload.size < 40 + changes / 8  # headers plus one sign bit per change
     assert np.array_equal(round_trip(SparseV3Codec(), target, base), target.data)
+
+
+def _deposited(x: int, m: int) -> int:
+    """pdep by its definition: bit t of x goes to m's t-th set bit."""
+    out, t = 0, 0
+    for bit in range(64):
+        if m >> bit & 1:
+            out |= (x >> t & 1) << bit
+            t += 1
+    return out
+
+
+def test_events_are_deposited_on_members_alike_by_pdep_and_by_selects():
+    """The decoder places a word's events with `deposit`: the CPU's pdep where it is fast,
+    else one select per event; both must be pdep exactly, whatever bits x holds past m's
+    count (they belong to the next word)."""
+    rng = np.random.default_rng(12)
+    random = [int(w) for w in rng.integers(0, 2**64, 600, dtype=np.uint64)]
+    dense = list(zip(random[:200], random[200:400], strict=True))
+    sparse = [(x, m & a & b) for x, m, a, b in zip(*[iter(random)] * 4, strict=True)]
+    edges = [(x, m) for x in (0, 1, 2**64 - 1, 0x5555) for m in (0, 1, 2**63, 2**64 - 1, 0xF0F0)]
+    cases = dense + sparse + edges
+    by_selects = numba.njit(class_kernels._deposit_py)
+    chosen = numba.njit(lambda x, m: class_kernels.deposit(x, m))
+    for x, m in cases:
+        expected = _deposited(x, m)
+        assert int(by_selects(np.uint64(x), np.uint64(m))) == expected
+        assert int(chosen(np.uint64(x), np.uint64(m))) == expected
 
 
 def test_the_sparse_codec_writes_sparse_v3_and_threads_do_not_change_the_bytes():
