@@ -8,6 +8,7 @@ mismatch (callers raise `ChecksumMismatch`).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import xxhash
@@ -22,6 +23,19 @@ def tensor_checksum(data: np.ndarray | bytes | bytearray | memoryview) -> str:
     if isinstance(data, np.ndarray) and not data.flags.c_contiguous:
         data = np.ascontiguousarray(data)
     return xxhash.xxh3_128_hexdigest(as_buffer(data))
+
+
+class Digest(Protocol):
+    """A checksum fed a tensor's bytes in order, stretch by stretch (`checksum_stream`)."""
+
+    def update(self, data: memoryview, /) -> None: ...
+
+
+def checksum_stream() -> xxhash.xxh3_128:
+    """A streaming xxh3-128: fed a tensor's bytes in order, in stretches of any size, its
+    `hexdigest()` is `tensor_checksum` of the whole; lets a fold hash each stretch while it
+    is still in cache instead of rereading the tensor from memory afterwards."""
+    return xxhash.xxh3_128()
 
 
 def file_checksum(path: str | Path, chunk_bytes: int = 8 << 20) -> str:

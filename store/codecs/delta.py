@@ -16,7 +16,7 @@ from typing import Protocol, TypeVar
 
 import numpy as np
 
-from store.checksum import CHECKSUM_FORMAT, tensor_checksum
+from store.checksum import CHECKSUM_FORMAT, Digest, tensor_checksum
 from store.codecs.sharding import delta_shard_name, plan_shards, read_shards
 from store.errors import CorruptPayload, TensorMismatch, UnknownCodec
 from store.manifest import INDEX_FILENAME, Manifest
@@ -42,11 +42,24 @@ class DeltaCodec(Protocol):
         ...
 
     def apply_into(
-        self, out: np.ndarray, payload: np.ndarray, itemsize: int, name: str
+        self,
+        out: np.ndarray,
+        payload: np.ndarray,
+        itemsize: int,
+        name: str,
+        source: np.ndarray | None = None,
+        digest: Digest | None = None,
     ) -> np.ndarray | None:
         """Patch `out` (the previous state's bytes, writable) into the next state in place,
         and return the sorted flat element positions it may have changed (int64; a
         superset is allowed), or None if the codec cannot tell cheaply.
+
+        With `source` (the previous state's bytes, as many as `out`'s, never written),
+        `out` starts uninitialised and is filled from `source` as the codec goes: a fold
+        then reads and writes each tensor once, not once to copy it and again to patch it.
+        With `digest`, every byte of `out` is fed to it once, in order, as soon as it is
+        final (a block's bytes right after the block is applied, while they are in cache);
+        a codec that fed it nothing leaves a digest no tensor's checksum matches.
 
         Raise `CorruptPayload` on a payload that does not fit; `out` is then garbage, so
         callers apply into a private copy, never into a base they were given.

@@ -2,8 +2,9 @@
 
 Catch-up reads an anchor (or a local base) and the deltas after it. Rather than
 materialising every intermediate version, the fold reads every delta's envelope first, then
-for each tensor copies the base once into a fresh buffer and applies that tensor's payloads
-in chain order, and finally checks the checksum the newest delta recorded for it. Any error
+for each tensor fills a fresh buffer from the base while applying the first of that tensor's
+payloads (`DeltaCodec.apply_into`'s `source`: read once, written once), applies the rest in
+chain order, and finally checks the checksum the newest delta recorded for it. Any error
 is raised before a result is returned, and the base's buffers are never written: an engine
 keeps serving its old weights whatever the payload holds.
 
@@ -25,7 +26,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from store.checksum import tensor_checksum
+from store.checksum import checksum_stream
 from store.codecs.delta import DeltaCodec, read_delta
 from store.codecs.full import decode_full
 from store.codecs.registry import codec_for_encoding
@@ -156,15 +157,25 @@ def fold_chain(
     def apply(name: str) -> RawTensor:
         tensor = base[name]
         buffer = buffers[name]
-        np.copyto(buffer, tensor.data)
+        # The first payload fills the buffer from the base as it applies (no copy pass of
+        # its own); later ones patch it in place.
+        # The last payload feeds the checksum each stretch of the result as soon as it is
+        # final (`apply_into`'s `digest`), instead of a pass rereading the whole tensor.
+        source: np.ndarray | None = tensor.data
+        digest = checksum_stream()
         positions: np.ndarray | None = np.empty(0, dtype=np.int64)
-        for codec, payload in steps[name]:
-            step = codec.apply_into(buffer, payload, tensor.itemsize, name)
+        chain = steps[name]
+        for i, (codec, payload) in enumerate(chain):
+            last = digest if i == len(chain) - 1 else None
+            step = codec.apply_into(
+                buffer, payload, tensor.itemsize, name, source=source, digest=last
+            )
+            source = None
             if positions is None or step is None:
                 positions = None
             else:
                 positions = np.union1d(positions, step) if positions.size else step
-        found = tensor_checksum(buffer)
+        found = digest.hexdigest()
         if found != final_checksum[name]:
             raise ChecksumMismatch(
                 f"tensor {name!r} hashes to {found} after the chain, expected "

@@ -19,6 +19,7 @@ import struct
 
 import numpy as np
 
+from store.checksum import Digest
 from store.codecs.zstd_frames import ZstdContexts, decompress_exact
 from store.errors import CorruptPayload
 from store.tensors import ELEMENT_BITS, RawTensor, as_buffer
@@ -168,9 +169,30 @@ class SparseCodec:
         return np.frombuffer(b"".join([header, lengths, *frames]), dtype=np.uint8)
 
     def apply_into(
-        self, out: np.ndarray, payload: np.ndarray, itemsize: int, name: str
+        self,
+        out: np.ndarray,
+        payload: np.ndarray,
+        itemsize: int,
+        name: str,
+        source: np.ndarray | None = None,
+        digest: Digest | None = None,
+    ) -> np.ndarray:
+        positions = self._apply(out, payload, itemsize, name, source)
+        if digest is not None:
+            digest.update(out.data)
+        return positions
+
+    def _apply(
+        self,
+        out: np.ndarray,
+        payload: np.ndarray,
+        itemsize: int,
+        name: str,
+        source: np.ndarray | None,
     ) -> np.ndarray:
         what = f"sparse payload of {name!r}"
+        if source is not None:  # sparse-v1 is read only for old versions: copy, then patch
+            np.copyto(out, source)
         raw = as_buffer(payload if payload.flags.c_contiguous else payload.tobytes())
         if payload.size < _HEADER.size:
             raise CorruptPayload(f"{what} is {payload.size} bytes, shorter than its header")

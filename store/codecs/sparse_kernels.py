@@ -253,10 +253,15 @@ def _step_one_py(b: np.uint64, down: np.uint64, high: np.uint64) -> np.uint64:
 
 
 _WALK_CHUNK = 1024  # changes per chunk of `rice_apply_steps`: 8 KB of positions, in L1
+# Elements `rice_apply_steps` copies from its source at a time, at least: few enough that
+# the stretch is still in L1 when the steps in it land, enough that a copy's setup is rare.
+_FILL = np.uint64(4096)
 
 
 def _rice_apply_steps_py(
     bits: np.ndarray,
+    source: np.ndarray,
+    fill: bool,
     low: np.ndarray,
     unary: np.ndarray,
     unary_bits: int,
@@ -270,6 +275,11 @@ def _rice_apply_steps_py(
     """Decode a STEP block's Rice-coded gaps and move each changed element of `bits` by its
     step in float order (`float_order` of `sparse`); fill `positions` (one per change, as
     uint64 bit patterns of int64: the caller views it as int64) with the changes' positions.
+    With `fill`, `bits` starts uninitialised and `source` (the same size) holds the block's
+    previous state: the walk copies it ahead of its steps, at least `_FILL` elements at a
+    time and the rest after the last change, so the steps patch lines still in L1 and the
+    block is read and written once (after a separate copy of a block larger than L2, the
+    walk found most of it back in L3 or memory).
 
     Change i sits gap i unchanged elements after change i-1 and moves down if bit i of the
     packed `down` is set, by 1, plus `magnitudes[a] + 1` where it is the a-th change
@@ -303,6 +313,7 @@ def _rice_apply_steps_py(
     below = top - np.uint64(1)
     limit = np.uint64(n)
     after = np.uint64(0)  # one past the last change's position
+    copied = np.uint64(0)  # with `fill`: the elements of `source` copied so far
     # The unary decoder's state between chunks: the next byte to load, the current word
     # (codes already taken cleared), its valid bits, where the current code started.
     at = 0
@@ -354,6 +365,13 @@ def _rice_apply_steps_py(
         for group in range(chunk // 8, (stop + 7) // 8):
             signs = np.uint64(down[group])
             first = np.uint64(group * 8)
+            if fill:  # copy ahead of this group's last change, at least _FILL elements
+                last = np.uint64(positions[min(np.uint64(stop), first + np.uint64(8)) - 1])
+                if last >= copied:
+                    upto = min(limit, max(last + np.uint64(1), copied + _FILL))
+                    for e in range(copied, upto):
+                        bits[e] = source[e]
+                    copied = upto
             if first + np.uint64(8) <= np.uint64(stop):  # a loop of fixed length, unrolled
                 for t in range(8):
                     p = np.uint64(positions[first + np.uint64(t)])
@@ -367,6 +385,9 @@ def _rice_apply_steps_py(
     # Exactly k codes, the last ending at the stream's last bit.
     if r <= 8 and (w or at < size or begin != valid):
         return ERR_UNARY
+    if fill:
+        for e in range(copied, limit):
+            bits[e] = source[e]
     index = np.int64(-1)
     for a in range(at_gaps.size):
         g = np.uint64(at_gaps[a])

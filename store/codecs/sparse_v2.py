@@ -20,11 +20,13 @@ anything but the arrays it is given.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
+from store.checksum import Digest
 from store.codecs.bitstreams import (
     read_varint,
     rice_decode,
@@ -275,13 +277,18 @@ class SparseV2Codec:
                 streams.append(self._stream(kind, body, size, f"{what} stream {j}"))
         return streams
 
-    def _apply_block(self, bits: np.ndarray, block: memoryview, what: str) -> np.ndarray:
+    def _apply_block(
+        self, bits: np.ndarray, block: memoryview, what: str, source: np.ndarray | None = None
+    ) -> np.ndarray:
         """Patch `bits` (one block of the tensor, as unsigned ints) in place; return the
-        block-relative positions it changed (sorted int64)."""
+        block-relative positions it changed (sorted int64). With `source`, `bits` starts
+        uninitialised and `source` holds the block's previous state (see `apply_into`)."""
         changed, offset = read_varint(block, 0, what)
         if changed == 0:
             if offset != len(block):
                 raise CorruptPayload(f"{what} has no changes but {len(block)} bytes")
+            if source is not None:
+                np.copyto(bits, source)
             return np.empty(0, dtype=np.int64)
         if changed > bits.size or offset + 2 > len(block):
             raise CorruptPayload(f"{what} claims {changed} changes in {bits.size} elements")
@@ -295,8 +302,10 @@ class SparseV2Codec:
         offset, values = self._value_header(block, offset, changed, mode, bits.dtype.itemsize, what)
         streams = self._read_streams(block, offset, sizes + values.sizes, what)
         if mode == VALUES_STEP:
-            return self._apply_steps(bits, streams, unary_bits, changed, r, values, what)
+            return self._apply_steps(bits, streams, unary_bits, changed, r, values, what, source)
         gaps = rice_decode(streams[0], streams[1], unary_bits, changed, r, what)
+        if source is not None:  # NEW / XOR blocks are rare (wild values): copy, then patch
+            np.copyto(bits, source)
         return self._apply_values(bits, gaps, values, streams[2:], what)
 
     def _value_header(
@@ -338,12 +347,14 @@ class SparseV2Codec:
         r: int,
         header: _ValueHeader,
         what: str,
+        source: np.ndarray | None = None,
     ) -> np.ndarray:
         """Patch a STEP block from its streams (the gaps' low planes and unary codes, then
         the STEP streams); return the block-relative positions it changed (sorted int64).
 
         The gaps are decoded by the same compiled pass that applies the steps
-        (`rice_apply_steps`): no array of gaps between the two.
+        (`rice_apply_steps`): no array of gaps between the two. With `source`, that pass
+        also copies the block from it, chunk by chunk ahead of the steps.
         """
         low, unary = streams[0], streams[1]
         if unary.size * 8 < unary_bits or low.size < r * (-(-changed // 8)):
@@ -359,7 +370,18 @@ class SparseV2Codec:
         positions = np.empty(changed, dtype=np.uint64)
         width = 8 * bits.dtype.itemsize
         error = rice_apply_steps(
-            bits, low, unary, unary_bits, r, streams[2], at, magnitude, width, positions
+            bits,
+            bits if source is None else source,
+            source is not None,
+            low,
+            unary,
+            unary_bits,
+            r,
+            streams[2],
+            at,
+            magnitude,
+            width,
+            positions,
         )
         if error == ERR_UNARY:
             raise CorruptPayload(
@@ -398,7 +420,13 @@ class SparseV2Codec:
         return block_positions
 
     def apply_into(
-        self, out: np.ndarray, payload: np.ndarray, itemsize: int, name: str
+        self,
+        out: np.ndarray,
+        payload: np.ndarray,
+        itemsize: int,
+        name: str,
+        source: np.ndarray | None = None,
+        digest: Digest | None = None,
     ) -> np.ndarray:
         what = f"{self.delta_encoding} payload of {name!r}"
         raw = np.ascontiguousarray(payload, dtype=np.uint8).data.cast("B")
@@ -430,17 +458,33 @@ class SparseV2Codec:
                 "truncated or corrupt"
             )
         lengths.append(len(raw) - offset - sum(lengths))  # the last block takes the rest
+        if source is not None and source.size != out.size:
+            raise ValueError(f"source of {name!r} is {source.size} bytes, out {out.size}")
         bits = out.view(ELEMENT_BITS[width])
+        old = None if source is None else source.view(ELEMENT_BITS[width])
         jobs = []
         for index, length in enumerate(lengths):
             jobs.append((index, raw[offset : offset + length]))
             offset += length
+        # With `digest`, each block is hashed right after it is applied, while its bytes are
+        # in cache, in block order: a block waits for the one before it to be hashed. Blocks
+        # start in order on the pool, so the one waited for is running or done.
+        hashed = [threading.Event() for _ in jobs] if digest is not None else []
 
         def apply(job: tuple[int, memoryview]) -> np.ndarray:
             index, block = job
             start = index * size
             part = bits[start : start + size]
-            positions = self._apply_block(part, block, f"{what} block {index}")
+            try:
+                before = None if old is None else old[start : start + size]
+                positions = self._apply_block(part, block, f"{what} block {index}", before)
+                if digest is not None:
+                    if index:
+                        hashed[index - 1].wait()
+                    digest.update(part.data.cast("B"))
+            finally:
+                if hashed:
+                    hashed[index].set()
             if start:  # a pass over every position (25 MB at 10 % of 32 M): not for block 0
                 positions += start
             return positions

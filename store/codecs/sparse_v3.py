@@ -237,11 +237,15 @@ class SparseV3Codec(SparseV2Codec):
 
     # -- decoding -------------------------------------------------------------------------
 
-    def _apply_block(self, bits: np.ndarray, block: memoryview, what: str) -> np.ndarray:
+    def _apply_block(
+        self, bits: np.ndarray, block: memoryview, what: str, source: np.ndarray | None = None
+    ) -> np.ndarray:
         if len(block) < 2:
             raise CorruptPayload(f"{what} is {len(block)} bytes: no form byte and count")
         if block[0] == FORM_GAPS:
-            return super()._apply_block(bits, block[1:], what)
+            return super()._apply_block(bits, block[1:], what, source)
+        if source is not None:  # the class form reads the base's classes from `bits`
+            np.copyto(bits, source)
         count = block[0]
         if count > MAX_CLASSES:
             raise CorruptPayload(f"{what} has position form {count}, expected 0-{MAX_CLASSES}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from store.checksum import Digest
 from store.codecs.zstd_frames import ZstdContexts, decompress_exact
 from store.tensors import ELEMENT_BITS, RawTensor
 
@@ -31,13 +32,22 @@ class XorCodec:
         return np.frombuffer(self._zstd.compressor.compress(diff), dtype=np.uint8)
 
     def apply_into(
-        self, out: np.ndarray, payload: np.ndarray, itemsize: int, name: str
+        self,
+        out: np.ndarray,
+        payload: np.ndarray,
+        itemsize: int,
+        name: str,
+        source: np.ndarray | None = None,
+        digest: Digest | None = None,
     ) -> np.ndarray:
         what = f"xor payload of {name!r}"
         diff = np.frombuffer(
             decompress_exact(self._zstd.decompressor, payload, out.size, what), dtype=np.uint8
         )
-        np.bitwise_xor(out, diff, out=out)
+        # With `source` (the previous state; `out` uninitialised) one pass copies and XORs.
+        np.bitwise_xor(out if source is None else source, diff, out=out)
+        if digest is not None:
+            digest.update(out.data)
         # The changed elements are the non-zero elements of the XOR: one pass over it, in
         # place of a diff of the two versions downstream.
         changed: np.ndarray = np.flatnonzero(diff.view(ELEMENT_BITS[itemsize]))

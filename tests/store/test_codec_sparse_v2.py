@@ -369,10 +369,14 @@ def stepped_block(count: int, r: int, seed: int) -> dict:
     }  # fmt: skip
 
 
-def apply_stepped(block: dict, count: int | None = None) -> tuple[int, np.ndarray]:
+def apply_stepped(
+    block: dict, count: int | None = None, source: np.ndarray | None = None
+) -> tuple[int, np.ndarray]:
+    """Run the kernel on `block["bits"]` in place, or, with `source`, fill it from there."""
     found = np.empty(block["positions"].size if count is None else count, np.uint64)
     error = rice_apply_steps(
-        block["bits"], block["low"], block["unary"], block["unary_bits"], block["r"],
+        block["bits"], block["bits"] if source is None else source, source is not None,
+        block["low"], block["unary"], block["unary_bits"], block["r"],
         block["down"], block["at"], block["magnitudes"], 16, found,
     )  # fmt: skip
     return error, found
@@ -387,6 +391,22 @@ def test_gaps_decoded_and_stepped_in_one_pass_match_the_reference_across_chunks(
     assert error == OK
     assert np.array_equal(found.view(np.int64), block["positions"])
     assert np.array_equal(block["bits"], block["expected"])
+
+
+@pytest.mark.parametrize("r", [0, 8, 11])
+def test_a_block_filled_from_its_source_while_stepping_matches_the_in_place_result(r):
+    """With `fill`, the kernel copies the source chunk by chunk ahead of its steps and the
+    rest after the last change: an output that starts as garbage ends exactly as a copy of
+    the source patched in place would (every element, the tail past the last change too),
+    and the source is not written."""
+    block = stepped_block(2500, r, seed=r)
+    source = block["bits"].copy()
+    block["bits"] = np.full_like(source, 0xDEAD)
+    error, found = apply_stepped(block, source=source)
+    assert error == OK
+    assert np.array_equal(found.view(np.int64), block["positions"])
+    assert np.array_equal(block["bits"], block["expected"])
+    assert np.array_equal(source, stepped_block(2500, r, seed=r)["bits"])
 
 
 def test_gaps_that_run_past_the_block_or_magnitudes_past_the_last_change_are_refused():

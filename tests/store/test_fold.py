@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from store.codecs import decode_version, encode_version, fold
-from store.errors import CorruptPayload, TensorMismatch
+from store.errors import ChecksumMismatch, CorruptPayload, TensorMismatch
 from store.manifest import INDEX_FILENAME
 from store.tensors import RawTensor
 from tests.store.tensor_cases import chains, same_bits
@@ -170,3 +170,46 @@ def test_a_fold_reuses_the_memory_of_a_dropped_fold_but_never_of_one_still_held(
     del third
     gc.collect()
     assert fold(cps[1], chain[1:])["a"].data.ctypes.data == third_address
+
+
+LARGE = (1 << 22) * 2 + 3000  # BF16 elements: two full blocks of the sparse codec and a tail
+
+
+def large_pair() -> tuple[dict[str, RawTensor], dict[str, RawTensor]]:
+    """A three-block BF16 tensor and a target with every 1,000th element one unit up."""
+    bits = np.random.default_rng(4).integers(0x3000, 0x4000, LARGE, dtype=np.uint16)
+    moved = bits.copy()
+    moved[::1000] += np.uint16(1)
+    return (
+        {"w": RawTensor("BF16", (LARGE,), bits.view(np.uint8))},
+        {"w": RawTensor("BF16", (LARGE,), moved.view(np.uint8))},
+    )
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("codec", ["sparse", "xor"])
+def test_a_fold_that_copies_applies_and_hashes_in_one_pass_still_refuses_a_wrong_result(
+    codec, threads
+):
+    """The fold fills the result from the base while it applies and hashes each block as it
+    is finished, with no copy or checksum pass of its own. A base that differs from the one
+    the delta was encoded against, in one unchanged element of the first block, the middle
+    one or the tail after the last change, yields a result whose digest does not match:
+    it is refused, so every block (and the bytes copied after the last change) was hashed;
+    the right base folds to the target bit for bit, so nothing extra was."""
+    from store.codecs import workers
+
+    base, target = large_pair()
+    files = encode_version(target, base, version=1, base_version=0, codec=codec)
+    before = workers.threads()
+    workers.set_threads(threads)
+    try:
+        assert same_bits(fold(base, [files]), target)
+        for element in (1, (1 << 22) + 1, LARGE - 1):
+            wrong = base["w"].bits().copy()
+            wrong[element] ^= np.uint16(1)
+            wrong_base = {"w": RawTensor("BF16", (LARGE,), wrong.view(np.uint8))}
+            with pytest.raises(ChecksumMismatch, match="'w'"):
+                fold(wrong_base, [files])
+    finally:
+        workers.set_threads(before)
