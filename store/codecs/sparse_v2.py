@@ -469,7 +469,7 @@ class SparseV2Codec:
         # With `digest`, each block is hashed right after it is applied, while its bytes are
         # in cache, in block order: a block waits for the one before it to be hashed. Blocks
         # start in order on the pool, so the one waited for is running or done.
-        hashed = [threading.Event() for _ in jobs] if digest is not None else []
+        hashed = [threading.Event() for _ in jobs] if digest is not None and len(jobs) > 1 else []
 
         def apply(job: tuple[int, memoryview]) -> np.ndarray:
             index, block = job
@@ -481,7 +481,7 @@ class SparseV2Codec:
                 if digest is not None:
                     if index:
                         hashed[index - 1].wait()
-                    digest.update(part.data.cast("B"))
+                    digest.update(part.data)
             finally:
                 if hashed:
                     hashed[index].set()
