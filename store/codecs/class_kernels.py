@@ -324,31 +324,90 @@ def _class_members_py(
                 counts[c] += popcount(masks[c, w])
 
 
-def _flatten_py(own: np.ndarray, words: int, first: int, out: np.ndarray, at: int) -> int:
-    """Write the element index (first + 64 w + bit) of every set bit of own[:words] to `out`
-    from `at`, in order; return the index after the last. Four bits per step whatever the
-    word holds (a cleared word yields 64s that the next word overwrites), so the loop's
-    exit mispredicts once per four changes rather than once per word; `out` needs three
-    elements of slack."""
+def _list_bits_py(own: np.ndarray, words: int, out: np.ndarray) -> int:
+    """Write the index 64 w + bit of every set bit of own[:words] to `out` (uint16), in
+    order; return how many. Four bits per step whatever the word holds (a cleared word
+    yields 64s that the next word overwrites), so the loop's exit mispredicts once per four
+    bits rather than once per word; `out` needs 64 elements of slack (the vector form's)."""
+    at = 0
     for w in range(words):
         m = own[w]
-        base = first + 64 * w
+        first = np.uint16(64 * w)
         end = at + popcount(m)
         while m:
-            out[at] = base + trailing_zeros(m)
+            out[at] = first + np.uint16(trailing_zeros(m))
             m &= m - np.uint64(1)
-            out[at + 1] = base + trailing_zeros(m)
+            out[at + 1] = first + np.uint16(trailing_zeros(m))
             m &= m - np.uint64(1)
-            out[at + 2] = base + trailing_zeros(m)
+            out[at + 2] = first + np.uint16(trailing_zeros(m))
             m &= m - np.uint64(1)
-            out[at + 3] = base + trailing_zeros(m)
+            out[at + 3] = first + np.uint16(trailing_zeros(m))
             m &= m - np.uint64(1)
             at += 4
         at = end
     return at
 
 
-flatten = _jit(_flatten_py)
+def _compress_word(typingctx: Any, out: Any, at: Any, mask: Any, first: Any) -> Any:
+    """Write first + t for every set bit t of the 64-bit `mask`, in order, to the uint16
+    array `out` from `at`; return `at` plus their count. Two AVX-512 VBMI2 compresses
+    (`vpcompressw`, 32 lanes each, through their LLVM intrinsic) of the lanes' indices,
+    each stored whole: no branch and no loop per bit; writes up to 64 elements."""
+    if not isinstance(out, types.Array) or out.dtype != types.uint16:
+        return None
+    signature = types.intp(out, types.intp, types.uint64, types.intp)
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        array, start, bits, base = args
+        data = context.make_array(sig.args[0])(context, builder, array).data
+        i16, i32, i64 = ir.IntType(16), ir.IntType(32), ir.IntType(64)
+        lanes = ir.VectorType(i16, 32)
+        flags = ir.VectorType(ir.IntType(1), 32)
+        module = builder.module
+        name = "llvm.x86.avx512.mask.compress.v32i16"
+        compress = module.globals.get(name) or ir.Function(
+            module, ir.FunctionType(lanes, [lanes, lanes, flags]), name
+        )
+        count = module.globals.get("llvm.ctpop.i32") or ir.Function(
+            module, ir.FunctionType(i32, [i32]), "llvm.ctpop.i32"
+        )
+        undefined = ir.Constant(lanes, ir.Undefined)
+        first16 = builder.insert_element(undefined, builder.trunc(base, i16), ir.Constant(i32, 0))
+        splat = builder.shuffle_vector(
+            first16, undefined, ir.Constant(ir.VectorType(i32, 32), [0] * 32)
+        )
+        at_ = start
+        for half in range(2):
+            indices = builder.add(ir.Constant(lanes, [32 * half + t for t in range(32)]), splat)
+            part = builder.trunc(builder.lshr(bits, ir.Constant(i64, 32 * half)), i32)
+            packed = builder.call(compress, [indices, undefined, builder.bitcast(part, flags)])
+            pointer = builder.bitcast(builder.gep(data, [at_]), lanes.as_pointer())
+            builder.store(packed, pointer, align=2)
+            at_ = builder.add(at_, builder.zext(builder.call(count, [part]), at_.type))
+        return at_
+
+    return signature, codegen
+
+
+compress_word: Any = intrinsic(_compress_word)
+
+
+def _list_bits_vector(own: np.ndarray, words: int, out: np.ndarray) -> int:
+    """`_list_bits_py` by two vector compresses per word."""
+    at = 0
+    for w in range(words):
+        at = compress_word(out, at, own[w], 64 * w)
+    return at
+
+
+def _vector_compress() -> bool:
+    """Whether this CPU compresses 16-bit lanes (AVX-512 VBMI2)."""
+    features = llvm.get_host_cpu_features()
+    return bool(features.get("avx512vbmi2")) and bool(features.get("avx512bw"))
+
+
+VECTOR_COMPRESS = _vector_compress()
+list_bits: Any = _jit(_list_bits_vector if VECTOR_COMPRESS else _list_bits_py)
 
 
 def _apply_classes_py(
@@ -376,11 +435,11 @@ def _apply_classes_py(
     per register) and each word's share of that bitmap is deposited on the word's members
     (`deposit`: pdep, or a select per event where pdep is slow or absent); its changes
     (its events, or its members less them for a complement class) are listed in element
-    order (`flatten`) and take their values in one straight loop: values are stored class
+    order (`list_bits`) and take their values in one straight loop: values are stored class
     by class, value_at[c] .. value_at[c + 1] being class c's (mode 0 NEW, 1 XOR:
     `values`; 2 STEP: sign bit j of `down`, and magnitudes[a] + 2 ulps instead of 1 where
     index[a] == j; both end with a sentinel, index's all ones). The union of the chunk's
-    changes goes to `found` (three elements of slack past the block's count) in element
+    changes goes to `found` (exactly the block's count) in element
     order. Checks: every gap lands on a member, every class has exactly its count
     of changes, `found` is filled exactly, every magnitude is used.
     """
@@ -394,7 +453,7 @@ def _apply_classes_py(
     events = np.zeros(per_chunk, np.uint64)  # its events in each word
     own = np.zeros(per_chunk, np.uint64)  # its changes in each word
     union = np.zeros(per_chunk, np.uint64)
-    at = np.empty(CHUNK + 4, np.int64)  # its changes' positions
+    at = np.empty(CHUNK + 64, np.uint16)  # its changes' positions in the chunk
     ev = gap_at[:classes].copy()  # each class's next event
     pending = np.zeros(classes, np.uint64)  # members to pass before it
     limit = np.uint64(bits.size)  # no gap is longer: refused, so ranks never wrap
@@ -477,7 +536,7 @@ def _apply_classes_py(
                     own[w] = events[w]
             for w in range(words):
                 union[w] |= own[w]
-            count = flatten(own, words, chunk_start, at, 0)
+            count = list_bits(own, words, at)
             j = cursor[c]
             if j + count > value_at[c + 1]:
                 return ERR_EVENTS
@@ -487,7 +546,7 @@ def _apply_classes_py(
                 # is close to a coin toss at high density.
                 a = next_at[c]
                 for q in range(count):
-                    pos = at[q]
+                    pos = chunk_start + np.int64(at[q])
                     hit = np.uint64(index[a] == np.uint64(j))
                     step_ = np.uint64(1) + hit * (np.uint64(magnitudes[a]) + np.uint64(1))
                     a += np.int64(hit)
@@ -501,23 +560,23 @@ def _apply_classes_py(
                 next_at[c] = a
             elif mode == 1:
                 for q in range(count):
-                    bits[at[q]] ^= values[j + q]
+                    bits[chunk_start + np.int64(at[q])] ^= values[j + q]
                 j += count
             else:
                 for q in range(count):
-                    bits[at[q]] = values[j + q]
+                    bits[chunk_start + np.int64(at[q])] = values[j + q]
                 j += count
             cursor[c] = j
-        changes = 0
-        for w in range(words):
-            changes += popcount(union[w])
-        if out + changes > found.size - 3:
+        changes = list_bits(union, words, at)
+        if out + changes > found.size:
             return ERR_EVENTS
-        out = flatten(union, words, chunk_start, found, out)
+        for q in range(changes):
+            found[out + q] = chunk_start + np.int64(at[q])
+        out += changes
     for c in range(classes):
         if ev[c] != gap_at[c + 1] or cursor[c] != value_at[c + 1]:
             return ERR_EVENTS
-    if out != found.size - 3 or used != index.size - 1:
+    if out != found.size or used != index.size - 1:
         return ERR_EVENTS
     return OK
 

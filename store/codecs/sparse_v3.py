@@ -310,7 +310,7 @@ class SparseV3Codec(SparseV2Codec):
         self._settle_counts(bits, keymask_of, lo_of, width_of, counts, gap_at, changed, what)
         value_at = np.zeros(len(live) + 1, np.int64)
         np.cumsum(counts, out=value_at[1:])
-        found = np.empty(changed + 3, np.int64)  # apply_classes writes in fours
+        found = np.empty(changed, np.int64)
         error = self._apply_class_values(
             bits,
             keymask_of,
@@ -330,7 +330,7 @@ class SparseV3Codec(SparseV2Codec):
                 f"{what} places a change past the end of its class, or its classes hold "
                 f"other than {changed} changes"
             )
-        return found[:changed]
+        return found
 
     def _settle_counts(
         self,
@@ -395,7 +395,7 @@ class SparseV3Codec(SparseV2Codec):
                 magnitude = rice_decode(
                     streams[3], streams[4], header.value_bits, header.nonzero, header.r_value, what
                 )
-                if int(at.max()) >= found.size - 3:
+                if int(at.max()) >= found.size:
                     raise CorruptPayload(f"{what} places a magnitude past its last change")
                 index = np.append(np.cumsum(at + np.uint64(1)) - np.uint64(1), index)
                 magnitude = np.append(magnitude, np.uint64(0))

@@ -192,6 +192,26 @@ def test_events_are_deposited_on_members_alike_by_pdep_and_by_selects():
         assert int(chosen(np.uint64(x), np.uint64(m))) == expected
 
 
+def test_a_chunks_changes_are_listed_alike_by_vector_compress_and_by_bit_scans():
+    """The decoder lists a chunk's changes with `list_bits`: AVX-512 compresses where the
+    CPU has them, else bit scans four at a time; both must give every set bit's index in
+    order and its count, for empty, full and partial words."""
+    rng = np.random.default_rng(13)
+    words = rng.integers(0, 2**64, 64, dtype=np.uint64)
+    words &= rng.integers(0, 2**64, 64, dtype=np.uint64)
+    words[:3] = [0, 2**64 - 1, 1]
+    words[-1] = 2**63
+    expected = np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little"))
+    by_scans = numba.njit(class_kernels._list_bits_py)
+    for words_used in (0, 1, 2, 3, 40, 64):
+        want = expected[expected < 64 * words_used]
+        for kernel in (by_scans, class_kernels.list_bits):
+            out = np.zeros(class_kernels.CHUNK + 64, np.uint16)
+            count = kernel(words, words_used, out)
+            assert count == want.size
+            assert np.array_equal(out[:count], want)
+
+
 def test_the_sparse_codec_writes_sparse_v3_and_threads_do_not_change_the_bytes():
     base_bits, new_bits = adam_like_step((1 << 22) + 1000, 1e-6, 4)  # two blocks
     base, target = {"w": bf16_tensor(base_bits)}, {"w": bf16_tensor(new_bits)}
