@@ -12,7 +12,9 @@ every class's masks are built with one vector compare per 64 elements (`word_mas
 0.03 ns per element per class) while the chunk is in L1. A class's events are set in a
 bitmap by their rank among its members (each rank the previous one plus its gap plus one)
 and deposited on each word's members at once (`deposit`: x86 BMI2 pdep through its LLVM
-intrinsic where it is fast; elsewhere a broadword `select64` per event).
+intrinsic where it is fast; elsewhere a broadword `select64` per event). A chunk's changes
+are listed by index with two AVX-512 compresses per word where the CPU has them
+(`list_bits`; elsewhere bit scans, four per step).
 
 Kernels never raise: decoders return an error code that `sparse_v3` turns into
 `CorruptPayload`. They never interpret payload headers or allocate per element.
