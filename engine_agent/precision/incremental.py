@@ -116,19 +116,20 @@ class _Nvfp4Group:
     # 448 costs a scan of the whole fused group.
     holders: dict[str, np.ndarray] | None = None
     holder_bits: int = -1
-    # What the compiled recoding reuses between versions, valid for `scale_2` and the
-    # current output tensors only: dropped whenever the group is converted in full.
-    kernel: _Nvfp4Kernel | None = None
+    index: int = 0  # the group's row in `_Nvfp4Tables`
 
 
 @dataclass
-class _Nvfp4Kernel:
-    # Where each group scale's E2M1 codes step (`nvfp4_kernel.new_code_bounds`).
-    code_bounds: np.ndarray
-    scale_2: float
-    # Per member, flat numpy views of its packed codes and scale bytes: made once rather
-    # than per version (a few µs each, per tensor, on a step that takes a few ms).
-    outputs: dict[str, tuple[np.ndarray, np.ndarray]]
+class _Nvfp4Tables:
+    """What the compiled recoding reuses between versions, one row per fused group (its
+    `index`), valid for the group's `scale_2` and current output tensors only: a group's
+    row is renewed whenever it is converted in full."""
+
+    bounds: np.ndarray  # uint16 [F, 257, 9]: where each scale's E2M1 codes step
+    scale_2: np.ndarray  # float32 [F]
+    holder_bits: np.ndarray  # int64 [F]
+    # Per member, the addresses of its packed codes and scale bytes (tensors `out` holds).
+    outputs: dict[str, tuple[int, int]]
 
 
 def _amax_holders(
@@ -158,6 +159,7 @@ class _State:
     extra: dict[str, dict[str, Any]]
     fp8: dict[str, _Fp8Tensor] = field(default_factory=dict)
     nvfp4: dict[str, _Nvfp4Group] = field(default_factory=dict)  # keyed by first member
+    nvfp4_tables: _Nvfp4Tables | None = None  # made at the first compiled NVFP4 step
 
 
 def changed_positions(old: np.ndarray, new: np.ndarray) -> np.ndarray:
@@ -274,12 +276,14 @@ class IncrementalConverter:
                 q, scale = out[f"{module}.weight"], out[f"{module}.weight_scale_inv"]
                 state.fp8[module] = _Fp8Tensor(q, scale, _fp8_threshold(fp8.block_amax(weight)))
         else:
-            for group in plan.groups:
+            for index, group in enumerate(plan.groups):
                 weights = {m: tensors[f"{m}.weight"] for m in group}
                 amax = max(nvfp4.tensor_amax(w) for w in weights.values())
                 scale_2 = out[f"{group[0]}.weight_scale_2"]
                 bits, holders = _amax_holders(weights, amax)
-                state.nvfp4[group[0]] = _Nvfp4Group(tuple(group), amax, scale_2, holders, bits)
+                state.nvfp4[group[0]] = _Nvfp4Group(
+                    tuple(group), amax, scale_2, holders, bits, index
+                )
         return state
 
     # ---- applying ------------------------------------------------------------------------
@@ -299,6 +303,10 @@ class IncrementalConverter:
                 positions = touched.get(f"{module}.weight")
                 if positions is not None:
                     tiles += self._fp8_tensor(state, module, tensors[f"{module}.weight"], positions)
+        elif _nvfp4_kernel is not None and all(
+            tensors[name].dtype == torch.bfloat16 for name in quantized
+        ):
+            full_groups = self._nvfp4_compiled(state, tensors, touched)
         else:
             for group in state.plan.groups:
                 if any(f"{m}.weight" in touched for m in group):
@@ -372,8 +380,6 @@ class IncrementalConverter:
         """Update one fused NVFP4 group in place; return 1 if it was converted in full."""
         entry = state.nvfp4[group[0]]
         weights = {m: tensors[f"{m}.weight"] for m in group}
-        if _nvfp4_kernel is not None and all(w.dtype == torch.bfloat16 for w in weights.values()):
-            return self._nvfp4_group_compiled(state, entry, weights, touched)
         work: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         needs_full = not _scale_is_normal(float(entry.scale_2))
         maybe_lost_max = False
@@ -413,61 +419,91 @@ class IncrementalConverter:
             scale_bytes.index_copy_(0, groups, scales.view(torch.uint8))
         return 0
 
-    def _nvfp4_group_compiled(
-        self,
-        state: _State,
-        entry: _Nvfp4Group,
-        weights: Mapping[str, torch.Tensor],
-        touched: Mapping[str, np.ndarray],
+    def _nvfp4_compiled(
+        self, state: _State, tensors: Mapping[str, torch.Tensor], touched: Mapping[str, np.ndarray]
     ) -> int:
-        """`_nvfp4_group` with one compiled pass per changed tensor (`nvfp4_kernel`)."""
+        """`_nvfp4_group` for every fused group with one compiled call over all changed
+        tensors (`nvfp4_kernel.recode_tensors_in_place`); return the groups converted in
+        full."""
         assert _nvfp4_kernel is not None
-        kernel = entry.kernel
-        if kernel is None:
-            outputs = {
-                m: (
-                    state.out[f"{m}.weight"].view(-1).numpy(),
-                    state.out[f"{m}.weight_scale"].view(-1).view(torch.uint8).numpy(),
-                )
-                for m in entry.members
-            }
-            kernel = _Nvfp4Kernel(_nvfp4_kernel.new_code_bounds(), float(entry.scale_2), outputs)
-            entry.kernel = kernel
-        needs_full = not _scale_is_normal(kernel.scale_2)
-        updates: dict[str, tuple[np.ndarray, Any]] = {}
-        for module, weight in weights.items():
-            positions = touched.get(f"{module}.weight")
-            if needs_full or positions is None:
+        kernel = _nvfp4_kernel
+        tables = state.nvfp4_tables or self._nvfp4_tables(state)
+        rows: list[tuple[int, ...]] = []
+        # Per fused group recoded: (entry, first row, [(module, positions)]).
+        recoded: list[tuple[_Nvfp4Group, int, list[tuple[str, np.ndarray]]]] = []
+        whole: list[_Nvfp4Group] = []
+        keep: list[Any] = []  # arrays whose addresses the table holds, alive until the call returns
+        for group in state.plan.groups:
+            changed = [(m, touched[f"{m}.weight"]) for m in group if f"{m}.weight" in touched]
+            if not changed:
                 continue
-            if len(positions) > self.dense_fraction * weight.numel():
-                needs_full = True
+            entry = state.nvfp4[group[0]]
+            if not _scale_is_normal(float(tables.scale_2[entry.index])) or any(
+                len(p) > self.dense_fraction * tensors[f"{m}.weight"].numel() for m, p in changed
+            ):
+                whole.append(entry)
                 continue
-            # Written in place at once: if the global amax turns out to have moved, the
-            # full conversion of the group below overwrites every byte of it.
-            update = _nvfp4_kernel.recode_groups_in_place(
-                bf16_bits(weight),
-                positions,
-                kernel.scale_2,
-                *kernel.outputs[module],
-                kernel.code_bounds,
-                entry.holder_bits,
+            members = []
+            for module, positions in changed:
+                weight = tensors[f"{module}.weight"].contiguous()
+                positions = np.ascontiguousarray(positions, np.int64)
+                keep += (weight, positions)
+                packed, scales = tables.outputs[module]
+                rows.append(
+                    (
+                        weight.data_ptr(), weight.numel(), positions.ctypes.data, positions.size,
+                        packed, scales, entry.index,
+                    )
+                )  # fmt: skip
+                members.append((module, positions))
+            recoded.append((entry, len(rows) - len(members), members))
+        if rows:
+            table = np.array(rows, np.int64).reshape(-1, kernel.COLUMNS)
+            update = kernel.recode_tensors_in_place(
+                table, tables.bounds, tables.scale_2, tables.holder_bits
             )
-            # Unchanged elements never exceed the old global amax, so this is the changes'.
-            needs_full = not update.amax <= entry.global_amax
-            updates[module] = (positions, update)
-        holders = None if needs_full else _next_holders(entry, updates)
-        if needs_full:
-            pass
-        elif holders is not None:
-            # Every element that held the global amax changed and none reached it: it fell.
-            needs_full = not any(h.size for h in holders.values())
-        elif any(update.old_scale_was_448 for _, update in updates.values()):
-            needs_full = max(nvfp4.tensor_amax(w) for w in weights.values()) != entry.global_amax
-        if needs_full:
+            # Unchanged elements never exceed the old global amax, so these are the changes'.
+            amaxes = update.amax.tolist()
+            old_448 = update.old_scale_was_448.tolist()
+            for entry, first, members in recoded:
+                span = range(first, first + len(members))
+                if not all(amaxes[r] <= entry.global_amax for r in span):
+                    whole.append(entry)
+                    continue
+                found = [
+                    (m, p, update.new_holders(r)) for r, (m, p) in zip(span, members, strict=True)
+                ]
+                holders = _next_holders(entry, found)
+                if holders is not None:
+                    # Every element that held the global amax changed and none reached it.
+                    if not any(h.size for h in holders.values()):
+                        whole.append(entry)
+                        continue
+                elif any(old_448[r] for r in span):
+                    members_now = [tensors[f"{m}.weight"] for m in entry.members]
+                    if max(nvfp4.tensor_amax(w) for w in members_now) != entry.global_amax:
+                        whole.append(entry)
+                        continue
+                entry.holders = holders
+        del keep
+        for entry in whole:
+            weights = {m: tensors[f"{m}.weight"] for m in entry.members}
             self._nvfp4_group_full(state, entry, weights)
-            return 1
-        entry.holders = holders
-        return 0
+        return len(whole)
+
+    def _nvfp4_tables(self, state: _State) -> _Nvfp4Tables:
+        assert _nvfp4_kernel is not None
+        entries = list(state.nvfp4.values())
+        tables = _Nvfp4Tables(
+            np.stack([_nvfp4_kernel.new_code_bounds() for _ in entries]),
+            np.zeros(len(entries), np.float32),
+            np.zeros(len(entries), np.int64),
+            {},
+        )
+        state.nvfp4_tables = tables
+        for entry in entries:
+            _renew_row(state, tables, entry)
+        return tables
 
     def _nvfp4_group_full(
         self, state: _State, entry: _Nvfp4Group, weights: Mapping[str, torch.Tensor]
@@ -481,22 +517,40 @@ class IncrementalConverter:
         entry.global_amax = amax
         entry.scale_2 = state.out[f"{entry.members[0]}.weight_scale_2"]
         entry.holder_bits, entry.holders = _amax_holders(weights, amax)
-        entry.kernel = None
+        if state.nvfp4_tables is not None:
+            _renew_row(state, state.nvfp4_tables, entry)
+
+
+def _renew_row(state: _State, tables: _Nvfp4Tables, entry: _Nvfp4Group) -> None:
+    """Make a fused group's row of the compiled recoding's tables match its current scale
+    and output tensors (which a full conversion of the group replaces)."""
+    tables.bounds[entry.index] = 0  # every scale's bounds found again, for the new scale_2
+    tables.scale_2[entry.index] = float(entry.scale_2)
+    tables.holder_bits[entry.index] = entry.holder_bits
+    for m in entry.members:
+        packed, scales = state.out[f"{m}.weight"], state.out[f"{m}.weight_scale"]
+        assert packed.is_contiguous() and scales.is_contiguous()
+        tables.outputs[m] = (packed.data_ptr(), scales.data_ptr())
 
 
 def _next_holders(
-    entry: _Nvfp4Group, updates: Mapping[str, tuple[np.ndarray, Any]]
+    entry: _Nvfp4Group, updates: list[tuple[str, np.ndarray, np.ndarray]]
 ) -> dict[str, np.ndarray] | None:
-    """Where the global amax is held after `updates` (None if that is not known)."""
+    """Where the global amax is held after `updates` ((member, changed positions, new
+    holders) each); None if that is not known."""
     if entry.holders is None:
         return None
-    holders = dict(entry.holders)
-    for module, (positions, update) in updates.items():
+    holders = entry.holders
+    for module, positions, new_holders in updates:
         old = holders[module]
+        if not old.size and not new_holders.size:
+            continue  # the common case: nothing to track in this member
+        if holders is entry.holders:
+            holders = dict(holders)
         if old.size:
             at = np.minimum(np.searchsorted(positions, old), positions.size - 1)
             old = old[positions[at] != old]  # those the change did not touch
-        holders[module] = np.union1d(old, update.new_holders) if update.new_holders.size else old
+        holders[module] = np.union1d(old, new_holders) if new_holders.size else old
     if sum(h.size for h in holders.values()) > _MAX_HOLDERS:
         return None
     return holders
