@@ -263,6 +263,55 @@ def test_incremental_nvfp4_recoding_writes_the_full_encoders_bytes_whether_or_no
     assert update.old_scale_was_448 and ((old_scales[groups] & 0x7F) == 0x7E).any()
 
 
+def test_one_compiled_call_over_many_tensors_writes_what_one_call_per_tensor_writes():
+    # A version's step recodes every changed tensor in one call, from a table of array
+    # addresses, each row with its own fused group's scale and bounds: every byte, the
+    # amax, the 448 flag and the holders must be those of a call per tensor.
+    tensors = [changed_groups(seed) for seed in (3, 4, 5)]
+    scale_2s = [global_scale(0.25), global_scale(0.25), global_scale(2.0)]
+    fused = [0, 0, 1]  # the first two share a fused group's row, the third has its own
+
+    def outputs(bits: np.ndarray, scale_2: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        values = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).to(torch.float32)
+        codes, scales = encode_groups(values.view(-1, 16), scale_2)
+        return codes.reshape(-1).numpy().copy(), scales.view(torch.uint8).numpy().copy()
+
+    # Each row's holder bits: the largest finite changed magnitude of its first tensor.
+    changed = [new[p] & 0x7FFF for _, new, p in tensors]
+    holder_rows = np.array([int(changed[t][changed[t] < 0x7F80].max()) for t in (0, 2)])
+    one_by_one, batched, rows = [], [], []
+    for (old_bits, new_bits, positions), scale_2, row in zip(tensors, scale_2s, fused, strict=True):
+        packed, scale_bytes = outputs(old_bits, scale_2)
+        update = nvfp4_kernel.recode_groups_in_place(
+            new_bits, positions, float(scale_2), packed, scale_bytes,
+            nvfp4_kernel.new_code_bounds(), int(holder_rows[row]),
+        )  # fmt: skip
+        one_by_one.append((packed, scale_bytes, update))
+        packed, scale_bytes = outputs(old_bits, scale_2)
+        batched.append((packed, scale_bytes))
+        rows.append(
+            (
+                new_bits.ctypes.data, new_bits.size, positions.ctypes.data, positions.size,
+                packed.ctypes.data, scale_bytes.ctypes.data, row,
+            )
+        )  # fmt: skip
+    table = np.array(rows, np.int64)
+    bounds = np.stack([nvfp4_kernel.new_code_bounds() for _ in range(2)])
+    scale_2_rows = np.array([float(scale_2s[0]), float(scale_2s[2])], np.float32)
+    updates = nvfp4_kernel.recode_tensors_in_place(table, bounds, scale_2_rows, holder_rows)
+    for t, ((packed, scale_bytes, update), (got_packed, got_scales)) in enumerate(
+        zip(one_by_one, batched, strict=True)
+    ):
+        assert np.array_equal(got_packed, packed) and np.array_equal(got_scales, scale_bytes)
+        assert updates.groups[t] == update.groups
+        assert updates.amax[t] == update.amax or (
+            np.isnan(updates.amax[t]) and np.isnan(update.amax)
+        )
+        assert bool(updates.old_scale_was_448[t]) == update.old_scale_was_448
+        assert np.array_equal(updates.new_holders(t), update.new_holders)
+    assert updates.new_holders(0).size and updates.new_holders(2).size
+
+
 def fp32_cast_probes() -> torch.Tensor:
     """fp32 values that exercise every branch of an fp32 → E4M3 cast: each BF16 bit pattern
     (NaN, ±inf, ±0, subnormals), and for every exponent and 3-bit mantissa the values at,
