@@ -311,6 +311,18 @@ def _append_bits_py(out: np.ndarray, at: int, src: np.ndarray, count: int) -> in
     return at + count
 
 
+def _append_runs_py(
+    out: np.ndarray, src: np.ndarray, offsets: np.ndarray, counts: np.ndarray
+) -> int:
+    """`append_bits` of each run i (counts[i] bits of src from byte offsets[i]) in turn into
+    `out` from bit 0; returns the bits written. One call for every class's planes: a
+    kernel call per plane cost more than the planes on small tensors."""
+    at = 0
+    for i in range(offsets.size):
+        at = append_bits(out, at, src[offsets[i] :], counts[i])
+    return at
+
+
 def _class_members_py(
     bits: np.ndarray, keymask: np.ndarray, lo: np.ndarray, width: np.ndarray, counts: np.ndarray
 ) -> None:
@@ -764,6 +776,7 @@ def _choose_classes_py(
 class_census = _jit(_class_census_py)
 class_events = _jit(_class_events_py)
 append_bits = _jit(_append_bits_py)
+append_runs = _jit(_append_runs_py)
 class_members = _jit(_class_members_py)
 apply_classes = _jit(_apply_classes_py)
 rice_bits = _jit(_rice_bits_py)

@@ -34,7 +34,7 @@ from store.codecs.bitstreams import (
 )
 from store.codecs.class_kernels import (
     OK,
-    append_bits,
+    append_runs,
     apply_classes,
     changed_key_counts,
     choose_classes,
@@ -175,10 +175,13 @@ class SparseV3Codec(SparseV2Codec):
         so their magnitudes code smaller."""
         keymask = _keymask(new.dtype.itemsize)
         ranges = _class_ranges(starts, keymask)
+        # Changes before each bin, once: a numpy call per class cost more than the
+        # kernels on small tensors.
+        before = [0, *np.cumsum(per_bin).tolist()]
         live = [
             c
             for c, (lo, width) in enumerate(ranges)
-            if per_bin[lo >> shift : (lo + width) >> shift].any()
+            if before[min((lo + width) >> shift, per_bin.size)] > before[lo >> shift]
         ]
         lo = np.array([ranges[c][0] for c in live], new.dtype)
         width = np.array([ranges[c][1] for c in live], new.dtype)
@@ -220,12 +223,34 @@ class SparseV3Codec(SparseV2Codec):
         unary_bits = sum(bits for *_, bits in coded)
         low = np.zeros(-(-low_bits // 8), np.uint8)
         unary = np.zeros(-(-unary_bits // 8), np.uint8)
-        low_at = unary_at = 0
-        for r, count, planes, codes, bits in coded:
-            plane = -(-count // 8)
-            for j in range(r):
-                low_at = append_bits(low, low_at, planes[j * plane : (j + 1) * plane], count)
-            unary_at = append_bits(unary, unary_at, codes, bits)
+        if coded:
+            # Every class's planes (r of ceil(count / 8) bytes each) and unary codes, each
+            # joined in one kernel call from one concatenated source.
+            plane_at: list[int] = []
+            plane_bits: list[int] = []
+            code_at: list[int] = []
+            code_bits: list[int] = []
+            planes_seen = codes_seen = 0
+            for r, count, planes, codes, bits in coded:
+                plane = -(-count // 8)
+                plane_at += range(planes_seen, planes_seen + r * plane, plane)
+                plane_bits += [count] * r
+                planes_seen += planes.size
+                code_at.append(codes_seen)
+                code_bits.append(bits)
+                codes_seen += codes.size
+            append_runs(
+                low,
+                np.concatenate([planes for _, _, planes, _, _ in coded]),
+                np.array(plane_at, np.int64),
+                np.array(plane_bits, np.int64),
+            )
+            append_runs(
+                unary,
+                np.concatenate([codes for _, _, _, codes, _ in coded]),
+                np.array(code_at, np.int64),
+                np.array(code_bits, np.int64),
+            )
         write_varint(unary_bits, head)
         mode, value_fields, value_streams = self._value_part(new_values, old_values)
         head.append(mode)
@@ -382,7 +407,8 @@ class SparseV3Codec(SparseV2Codec):
         down = np.empty(0, np.uint8)
         # Each with one sentinel past its end (an index no change has), so the kernel
         # reads the next magnitude without a bounds test.
-        index = np.full(1, np.iinfo(np.uint64).max, np.uint64)
+        no_index = np.iinfo(np.uint64).max
+        index = np.full(1, no_index, np.uint64)
         magnitude = np.zeros(1, np.uint64)
         if header.mode != VALUES_STEP:
             values = join_planes(streams, width)
@@ -392,13 +418,16 @@ class SparseV3Codec(SparseV2Codec):
                 at = rice_decode(
                     streams[1], streams[2], header.gap_bits, header.nonzero, header.r_gap, what
                 )
-                magnitude = rice_decode(
+                decoded = rice_decode(
                     streams[3], streams[4], header.value_bits, header.nonzero, header.r_value, what
                 )
                 if int(at.max()) >= found.size:
                     raise CorruptPayload(f"{what} places a magnitude past its last change")
-                index = np.append(np.cumsum(at + np.uint64(1)) - np.uint64(1), index)
-                magnitude = np.append(magnitude, np.uint64(0))
+                index = np.empty(header.nonzero + 1, np.uint64)
+                np.cumsum(at + np.uint64(1), out=index[:-1])
+                index[:-1] -= np.uint64(1)
+                index[-1] = no_index
+                magnitude = np.concatenate((decoded, magnitude))
         return int(
             apply_classes(
                 bits,
