@@ -475,25 +475,31 @@ class SparseV2Codec:
         for index, length in enumerate(lengths):
             jobs.append((index, raw[offset : offset + length]))
             offset += length
-        # With `digest`, each block is hashed right after it is applied, while its bytes are
-        # in cache, in block order: a block waits for the one before it to be hashed. Blocks
-        # start in order on the pool, so the one waited for is running or done.
-        hashed = [threading.Event() for _ in jobs] if digest is not None and len(jobs) > 1 else []
+        # With `digest`, each block is hashed as soon as it and every block before it are
+        # applied, in block order, while its bytes are in cache: whoever finishes a block
+        # hashes the run of finished blocks from the first unhashed one. Nobody waits on
+        # another block, so a failed or cancelled block cannot hang the pool (it only leaves
+        # the digest short, and its error is raised).
+        hash_lock = threading.Lock()
+        finished = [False] * len(jobs)
+        unhashed = [0]
+
+        def hash_finished(index: int, digest: Digest) -> None:
+            with hash_lock:
+                finished[index] = True
+                while unhashed[0] < len(jobs) and finished[unhashed[0]]:
+                    first = unhashed[0] * size
+                    digest.update(bits[first : first + size].data)
+                    unhashed[0] += 1
 
         def apply(job: tuple[int, memoryview]) -> np.ndarray:
             index, block = job
             start = index * size
             part = bits[start : start + size]
-            try:
-                before = None if old is None else old[start : start + size]
-                positions = self._apply_block(part, block, f"{what} block {index}", before)
-                if digest is not None:
-                    if index:
-                        hashed[index - 1].wait()
-                    digest.update(part.data)
-            finally:
-                if hashed:
-                    hashed[index].set()
+            before = None if old is None else old[start : start + size]
+            positions = self._apply_block(part, block, f"{what} block {index}", before)
+            if digest is not None:
+                hash_finished(index, digest)
             if start:  # a pass over every position (25 MB at 10 % of 32 M): not for block 0
                 positions += start
             return positions

@@ -213,3 +213,27 @@ def test_a_fold_that_copies_applies_and_hashes_in_one_pass_still_refuses_a_wrong
                 fold(wrong_base, [files])
     finally:
         workers.set_threads(before)
+
+
+def test_a_corrupt_block_refuses_the_fold_on_two_threads_and_the_next_fold_still_runs():
+    """Blocks hash in order as they finish; a block whose payload is corrupt stops the fold
+    with an error, and no block left waiting for it holds a codec thread: the next fold
+    on the same threads completes."""
+    from store.codecs import workers
+    from store.safetensors_io import dump, load
+
+    base, target = large_pair()
+    files = encode_version(target, base, version=1, base_version=0, codec="sparse")
+    shard = next(name for name in files if name.endswith(".safetensors"))
+    tensors, metadata = load(files[shard])
+    payload = tensors["w"].data.copy()
+    payload[len(payload) // 4 : len(payload) // 4 + 64] ^= 0xFF  # inside the first block
+    damaged = {**files, shard: dump({"w": RawTensor("U8", payload.shape, payload)}, metadata)}
+    before = workers.threads()
+    workers.set_threads(2)
+    try:
+        with pytest.raises((CorruptPayload, ChecksumMismatch)):
+            fold(base, [damaged])
+        assert same_bits(fold(base, [files]), target)
+    finally:
+        workers.set_threads(before)
