@@ -7,6 +7,8 @@ mismatch (callers raise `ChecksumMismatch`).
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -58,6 +60,27 @@ class TensorDigest:
         if self._whole is not None:
             return self._whole
         return (self._stream or xxhash.xxh3_128()).hexdigest()
+
+
+class BlocksInOrder:
+    """Feeds a digest a tensor's blocks in block order while they finish in any order on a
+    pool: whoever finishes a block feeds the run of finished blocks from the first one not
+    yet fed, while their bytes are in cache. Nobody waits on another block, so a block that
+    fails or is cancelled cannot hang the pool; it only leaves the digest short."""
+
+    def __init__(self, digest: Digest, blocks: int, block_bytes: Callable[[int], memoryview]):
+        self._digest = digest
+        self._block_bytes = block_bytes
+        self._finished = [False] * blocks
+        self._next = 0  # the first block not yet fed
+        self._lock = threading.Lock()
+
+    def finished(self, index: int) -> None:
+        with self._lock:
+            self._finished[index] = True
+            while self._next < len(self._finished) and self._finished[self._next]:
+                self._digest.update(self._block_bytes(self._next))
+                self._next += 1
 
 
 def file_checksum(path: str | Path, chunk_bytes: int = 8 << 20) -> str:

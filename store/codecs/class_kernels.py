@@ -128,12 +128,15 @@ def _deposit_py(x: np.uint64, m: np.uint64) -> np.uint64:
     return out
 
 
+# What this CPU runs, read once: the kernels below are chosen per machine from it.
+_HOST_FEATURES = llvm.get_host_cpu_features()
+
+
 def _fast_bmi2() -> bool:
     """Whether this CPU has BMI2 with a fast pdep/pext. AMD before Zen 3 runs them in
     microcode (up to hundreds of cycles, worse than the broadword select), so they are
     used only where they are single instructions."""
-    features = llvm.get_host_cpu_features()
-    return bool(features.get("bmi2")) and llvm.get_host_cpu_name() not in _SLOW_PDEP
+    return bool(_HOST_FEATURES.get("bmi2")) and llvm.get_host_cpu_name() not in _SLOW_PDEP
 
 
 _SLOW_PDEP = {"znver1", "znver2", "bdver4", "bdver3", "bdver2", "bdver1", "btver2"}
@@ -416,8 +419,7 @@ def _list_bits_vector(own: np.ndarray, words: int, out: np.ndarray) -> int:
 
 def _vector_compress() -> bool:
     """Whether this CPU compresses 16-bit lanes (AVX-512 VBMI2)."""
-    features = llvm.get_host_cpu_features()
-    return bool(features.get("avx512vbmi2")) and bool(features.get("avx512bw"))
+    return bool(_HOST_FEATURES.get("avx512vbmi2")) and bool(_HOST_FEATURES.get("avx512bw"))
 
 
 VECTOR_COMPRESS = _vector_compress()

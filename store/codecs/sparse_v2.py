@@ -20,13 +20,12 @@ anything but the arrays it is given.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-from store.checksum import Digest
+from store.checksum import BlocksInOrder, Digest
 from store.codecs.bitstreams import (
     read_varint,
     rice_decode,
@@ -476,21 +475,12 @@ class SparseV2Codec:
             jobs.append((index, raw[offset : offset + length]))
             offset += length
         # With `digest`, each block is hashed as soon as it and every block before it are
-        # applied, in block order, while its bytes are in cache: whoever finishes a block
-        # hashes the run of finished blocks from the first unhashed one. Nobody waits on
-        # another block, so a failed or cancelled block cannot hang the pool (it only leaves
-        # the digest short, and its error is raised).
-        hash_lock = threading.Lock()
-        finished = [False] * len(jobs)
-        unhashed = [0]
-
-        def hash_finished(index: int, digest: Digest) -> None:
-            with hash_lock:
-                finished[index] = True
-                while unhashed[0] < len(jobs) and finished[unhashed[0]]:
-                    first = unhashed[0] * size
-                    digest.update(bits[first : first + size].data)
-                    unhashed[0] += 1
+        # applied, while its bytes are in cache.
+        in_order = None
+        if digest is not None:
+            in_order = BlocksInOrder(
+                digest, len(jobs), lambda i: bits[i * size : (i + 1) * size].data
+            )
 
         def apply(job: tuple[int, memoryview]) -> np.ndarray:
             index, block = job
@@ -498,8 +488,8 @@ class SparseV2Codec:
             part = bits[start : start + size]
             before = None if old is None else old[start : start + size]
             positions = self._apply_block(part, block, f"{what} block {index}", before)
-            if digest is not None:
-                hash_finished(index, digest)
+            if in_order is not None:
+                in_order.finished(index)
             if start:  # a pass over every position (25 MB at 10 % of 32 M): not for block 0
                 positions += start
             return positions
