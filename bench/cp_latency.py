@@ -4,9 +4,10 @@ Owns scraping the control plane's latency histograms (`tether_heartbeat_seconds`
 heartbeat's time in its handler; `tether_target_wake_seconds`: a version's publication, or
 the long-poll's arrival if later, until a long-poll answered it), taking the difference of
 two scrapes (one measurement window) and reading quantiles from the buckets the way
-Prometheus' `histogram_quantile` does (linear within a bucket). Beside the swarm's own
-client-side figures these say which side was slow. Never asserts; never used outside
-`bench/`.
+Prometheus' `histogram_quantile` does (linear within a bucket), and reading a counter
+(`counter`: the store bytes the control plane read, which count in the store's egress).
+Beside the swarm's own client-side figures these say which side was slow. Never asserts;
+never used outside `bench/`.
 """
 
 from __future__ import annotations
@@ -36,6 +37,21 @@ def scrape(url: str, names: tuple[str, ...] = HISTOGRAMS) -> Buckets:
     for buckets in found.values():
         buckets.sort()
     return found
+
+
+def counter(url: str, name: str) -> float:
+    """The sum over labels of the counter `name` at the control plane at `url` now (0 when
+    it has none yet)."""
+    reply = httpx.get(f"{url}/metrics", timeout=30.0)
+    reply.raise_for_status()
+    family_name = name.removesuffix("_total")
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(reply.text)
+        if family.name == family_name
+        for sample in family.samples
+        if sample.name == f"{family_name}_total"
+    )
 
 
 def window(before: Buckets, after: Buckets) -> Buckets:

@@ -332,18 +332,23 @@ def _measure(config: FleetConfig, work: Path, say: Callable[[str], None]) -> dic
         cpu0, wall0 = stack.controlplane_cpu_s(), time.perf_counter()
         for _ in range(config.versions):
             egress0, kinds0 = pool.egress.bytes, pool.egress.by_kind()
+            cp_read0 = cp_latency.counter(stack.url, STORE_READS)
             version = trainer.publish_next()
             published = trainer.published_at[version]
             pool.wait_serving(version, config.engines, CONVERGE_DEADLINE_S)
             times = pool.reached(version, published)
             seen = trainer.convergence(version)
             woken = [t - published for t in pool.woken.get(version, [])]
+            # The control plane reads the store too (each version's claim and index, once,
+            # to hand out with fetch plans): its bytes count in the store's egress.
+            cp_read = cp_latency.counter(stack.url, STORE_READS) - cp_read0
             row: dict[str, Any] = {
                 "version": version,
                 "version_bytes": trainer.sizes[version],
                 **{f"t{int(f * 100)}_s": fraction_time(times, config.engines, f)
                    for f in (0.5, 0.9, 0.99, 1.0)},
-                "store_egress_bytes": pool.egress.bytes - egress0,
+                "store_egress_bytes": pool.egress.bytes - egress0 + cp_read,
+                "store_controlplane_bytes": cp_read,
                 "shard_bytes": trainer.shard_sizes[version],
                 **{f"store_{kind}_bytes": n - kinds0[kind]
                    for kind, n in pool.egress.by_kind().items()},
@@ -404,15 +409,22 @@ def _measure(config: FleetConfig, work: Path, say: Callable[[str], None]) -> dic
                 3,
             ),
             # The same split by what was read: the version's shards (what grows with the
-            # model) and the index, claim and pointer reads every engine makes to plan and
-            # verify (a few hundred bytes each, whatever the model's size).
+            # model) and the index, claim and pointer reads made to plan and verify (a few
+            # hundred bytes each, whatever the model's size), the engines' and the control
+            # plane's (which reads each version's claim and index once for the engines).
             "store_shard_egress_over_shard_bytes": round(
                 sum(r["store_shards_bytes"] for r in rows) / sum(r["shard_bytes"] for r in rows),
                 3,
             ),
             "store_planning_bytes_per_engine": round(
-                sum(r["store_index_bytes"] + r["store_other_bytes"] for r in rows)
+                sum(
+                    r["store_index_bytes"] + r["store_other_bytes"] + r["store_controlplane_bytes"]
+                    for r in rows
+                )
                 / (len(rows) * config.engines)
+            ),
+            "store_controlplane_bytes_per_version": round(
+                sum(r["store_controlplane_bytes"] for r in rows) / len(rows)
             ),
             "peer_bytes": sum(s["peer_bytes"] for s in summaries),
             "store_bytes": sum(s["store_bytes"] for s in summaries),
@@ -459,6 +471,10 @@ def _measure(config: FleetConfig, work: Path, say: Callable[[str], None]) -> dic
         if trainer is not None:
             trainer.close()
         stack.close()
+
+
+# The control plane's own reads of the store (its copy of each version's claim and index).
+STORE_READS = "tether_store_read_bytes_total"
 
 
 def _ms(seconds: float | None) -> float | None:

@@ -45,6 +45,12 @@ class Metrics:
             ["reason"],
             registry=self.registry,
         )
+        self.store_read_bytes = Counter(
+            "tether_store_read_bytes_total",
+            "Bytes this control plane read from object stores, by what for",
+            ["what"],
+            registry=self.registry,
+        )
         self.fetch_plans = Counter(
             "tether_fetch_plans_total",
             "Fetch plans handed to catching-up engines, by whether they name peers",

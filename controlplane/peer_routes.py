@@ -7,8 +7,9 @@
 - `GET /v1/tokens/self` (any role): the caller's role, so an agent can check that a peer
   asking for files holds an engine token without a database of its own.
 
-Plans are computed from the in-memory fleet snapshot (`controlplane/fetch_plan.py`); these
-routes never touch the store and never log a token.
+Plans are computed from the in-memory fleet snapshot (`controlplane/fetch_plan.py`); a
+plan that names peers carries the version's claim and index, read from the store once per
+version (`controlplane/planning_files.py`). These routes never log a token.
 """
 
 from __future__ import annotations
@@ -63,6 +64,16 @@ def install(app: FastAPI, cp: Services, role: RoleDependency) -> None:
             suspects=cp.suspects.current(),
         )
         cp.metrics.fetch_plans.labels("yes" if plan.peers else "no").inc()
+        run = cp.fleet.snapshot.runs.get(run_id)
+        # Only with peers: an engine told to read the store (the tree's root, a lone
+        # engine, peer fetch off) reads the claim and index there as it always did.
+        if (
+            plan.peers
+            and run is not None
+            and run.latest_version is not None
+            and version <= run.latest_version
+        ):
+            plan.planning = await cp.planning_files.get(run.store_url, run_id, version)
         return plan
 
     @app.post("/v1/engines/{engine_id}/peer-reports", status_code=204, tags=["engines"])

@@ -19,6 +19,7 @@ from controlplane.fleet import Fleet
 from controlplane.heartbeats import Heartbeats
 from controlplane.metrics import Metrics
 from controlplane.outage import Outage
+from controlplane.planning_files import PlanningFiles
 from controlplane.proxy import Proxy
 from controlplane.registry import Registry
 from controlplane.runs import Runs
@@ -49,6 +50,8 @@ class Services:
     version_events: list[asyncio.Event] = field(default_factory=list)
     # Peers reported for bad bytes or stalls, left out of fetch plans for a while.
     suspects: Suspects = field(default_factory=lambda: Suspects(60.0))
+    # Versions' claims and indexes, read from the store once, handed out with fetch plans.
+    planning_files: PlanningFiles = field(default_factory=lambda: PlanningFiles(0))
 
     @classmethod
     def build(cls, settings: ControlPlaneSettings) -> Services:
@@ -77,6 +80,9 @@ class Services:
             outage=outage,
             store_sync=store_sync,
             suspects=Suspects(settings.peer_suspect_s),
+            planning_files=PlanningFiles(
+                settings.planning_copies, metrics.store_read_bytes.labels("planning").inc
+            ),
         )
         return services
 

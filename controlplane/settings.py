@@ -67,3 +67,6 @@ class ControlPlaneSettings(BaseSettings):
     peer_fanout: int = Field(default=2, ge=1)
     peer_plan_size: int = Field(default=3, ge=0)
     peer_suspect_s: float = Field(default=60.0, ge=0)
+    # Versions whose claim and index the control plane keeps to hand out with fetch plans
+    # (controlplane/planning_files.py); 0: engines read them from the store themselves.
+    planning_copies: int = Field(default=64, ge=0)

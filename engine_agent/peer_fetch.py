@@ -1,12 +1,13 @@
 """The fetch side of peer-assisted fetch: the sources one catch-up reads before the store.
 
 For each staging pass the reconciler asks `PeerFetch.begin(version)`: the control
-plane's fetch plan (peers, nearest first), then the configured fetch sources (an HTTP cache
-or P2P distributor, an object-store mirror); the store always comes last (`Store.materialize`
-reads it when no source delivers). After the pass, `finished` counts where the bytes came
-from and reports every peer that served bad bytes, failed or stalled to the control plane.
-Verification itself belongs to the store (`store.sources.SourcedFetch`); this module must
-never accept bytes on its own.
+plane's fetch plan (peers, nearest first, and with them the version's claim and index as
+the control plane read them from the store: `relayed`), then the configured fetch sources
+(an HTTP cache or P2P distributor, an object-store mirror); the store always comes last
+(`Store.materialize` reads it when no source delivers). After the pass, `finished` counts
+where the bytes came from and reports every peer that served bad bytes, failed or stalled
+to the control plane. Verification itself belongs to the store (`store.sources.SourcedFetch`,
+`store.relayed`); this module must never accept bytes on its own.
 """
 
 from __future__ import annotations
@@ -21,9 +22,12 @@ import httpx
 from engine_agent.control_client import ControlClient
 from engine_agent.errors import AgentError
 from engine_agent.status import AgentStatus, PassTimings
+from store.errors import CorruptPayload
+from store.relayed import RelayedVersion
 from store.sources import FetchSource, HttpSource, ObjectSource, SourcedFetch
 from store.sources.http import open_client
-from wire.peers import PEER_FILES_PATH, PeerReport
+from store.types import VersionRef
+from wire.peers import PEER_FILES_PATH, FetchPlan, PeerReport
 
 log = logging.getLogger(__name__)
 
@@ -71,56 +75,92 @@ class PeerFetch:
         self.peers = peers
         self.wait_s = wait_s
         self.stall_s = stall_s
+        # The fetch plan of the pass under way (`begin`), until `relayed` takes it.
+        self._plans: dict[int, asyncio.Task[FetchPlan | None]] = {}
         # One HTTP client for every source of every pass (keep-alive to the same parents;
         # opening one per peer per pass is what stalled a swarm's event loop).
         self.client: httpx.Client | None = None
 
     async def sources(self, version: int) -> SourcedFetch:
         """The sources to try for `version`'s files, in order (possibly none)."""
-        return SourcedFetch(await self._find(version))
+        return SourcedFetch(await self._find(version, await self._plan(version)))
 
     def begin(self, version: int) -> SourcedFetch:
         """`sources` without waiting: the fetch plan is asked for while the pass plans its
-        catch-up from the store, and the pass waits for it only when it first needs a source
-        (a control plane answers in tenths of a second under load; planning takes as long)."""
-        found = asyncio.run_coroutine_threadsafe(self._find(version), asyncio.get_running_loop())
+        catch-up, and the pass waits for it only when it first needs a source (or the plan's
+        claim and index: `relayed`)."""
+        loop = asyncio.get_running_loop()
+        plan = loop.create_task(self._plan(version))
+        # One pass at a time: the plan of an earlier pass is no longer wanted.
+        self._plans = {version: plan}
+        found = asyncio.run_coroutine_threadsafe(self._find_after(version, plan), loop)
         return SourcedFetch([], first=found, first_wait_s=_REGISTRATION_WAIT_S + self.wait_s)
 
-    async def _find(self, version: int) -> list[FetchSource]:
-        found: list[FetchSource] = []
+    async def relayed(self, run_id: str, version: int) -> dict[int, RelayedVersion]:
+        """The claim and index of `version` from the fetch plan `begin` asked for, checked
+        against each other; empty (plan from the store) when the plan has none, or they do
+        not match (counted as `relayed` in `source_faults` and logged)."""
+        task = self._plans.pop(version, None)
+        plan = await asyncio.shield(task) if task is not None else None
+        if plan is None or plan.planning is None:
+            return {}
+        ref = VersionRef(run_id, version)
+        try:
+            relayed = RelayedVersion.check(
+                ref, plan.planning.claim.encode(), plan.planning.index.encode()
+            )
+        except CorruptPayload as exc:
+            self.status.source_faults["relayed"] += 1
+            log.warning("v%d: the control plane's claim and index refused (%s); "
+                        "reading them from the store", version, exc)  # fmt: skip
+            return {}
+        return {version: relayed}
+
+    async def _find_after(
+        self, version: int, plan: asyncio.Task[FetchPlan | None]
+    ) -> list[FetchSource]:
+        return await self._find(version, await asyncio.shield(plan))
+
+    async def _plan(self, version: int) -> FetchPlan | None:
+        """The control plane's fetch plan for `version` (None: none asked or answered)."""
         if self.peers and self.engine_id() is None and self.registered is not None:
             # A new agent's first catch-up starts beside its registration: give that a
             # moment, the plan needs the engine's id.
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(_REGISTRATION_WAIT_S):
                     await self.registered.wait()
+        engine_id = self.engine_id()
+        if not self.peers or self.control is None or engine_id is None:
+            return None
+        try:
+            return await self.control.fetch_plan(engine_id, version)
+        except AgentError as exc:
+            log.info("no fetch plan for v%d (%s); fetching from the store", version, exc)
+            return None
+
+    async def _find(self, version: int, plan: FetchPlan | None) -> list[FetchSource]:
+        found: list[FetchSource] = []
         if self.client is None:
             self.client = await asyncio.to_thread(open_client)
-        engine_id = self.engine_id()
-        if self.peers and self.control is not None and engine_id is not None:
-            try:
-                plan = await self.control.fetch_plan(engine_id, version)
-            except AgentError as exc:
-                log.info("no fetch plan for v%d (%s); fetching from the store", version, exc)
-            else:
-                found += [
-                    HttpSource(
-                        peer.url + PEER_FILES_PATH,
-                        token=self.token,
-                        kind="peer",
-                        wait_s=self.wait_s,
-                        stall_s=self.stall_s,
-                        client=self.client,
-                    )
-                    for peer in plan.peers
-                    if peer.url != self.own_url
-                ]
-                if plan.peers:
-                    log.info(
-                        "v%d: fetch plan %s, then the store",
-                        version,
-                        [peer.url for peer in plan.peers],
-                    )
+        if plan is not None:
+            found += [
+                HttpSource(
+                    peer.url + PEER_FILES_PATH,
+                    token=self.token,
+                    kind="peer",
+                    wait_s=self.wait_s,
+                    stall_s=self.stall_s,
+                    client=self.client,
+                )
+                for peer in plan.peers
+                if peer.url != self.own_url
+            ]
+            if plan.peers:
+                log.info(
+                    "v%d: fetch plan %s, then the store",
+                    version,
+                    [peer.url for peer in plan.peers],
+                )
         found += [
             open_source(url, stall_s=self.stall_s, client=self.client) for url in self.configured
         ]

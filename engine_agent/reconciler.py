@@ -258,8 +258,11 @@ class Reconciler:
 
         if have is None or tensors is None:
             have, tensors = None, None
-        # The fetch plan is asked for while the store read plans the catch-up.
+        # The fetch plan; with it (when it names peers) the target's claim and index as the
+        # control plane read them from the store, so that the catch-up is planned and
+        # verified without reading them again (waiting for the plan replaces those reads).
         sources = self.fetch.begin(target) if self.fetch is not None else None
+        relayed = await self.fetch.relayed(self.run_id, target) if self.fetch is not None else {}
         self.fetching = None
 
         def planned(plan: CatchUpPlan) -> None:
@@ -276,6 +279,7 @@ class Reconciler:
                     progress=progress,
                     sources=sources,
                     on_plan=planned,
+                    relayed=relayed,
                 )
             except StoreError as exc:
                 if have is None:
@@ -293,6 +297,7 @@ class Reconciler:
                         progress=progress,
                         sources=sources,
                         on_plan=planned,
+                        relayed=relayed,
                     )
                 )
         except StoreError as exc:

@@ -201,16 +201,20 @@ class VersionFiles(Mapping[str, bytes]):
         data = self.cache.load(key, self.sizes[name]) if self.cache else None
         if data is None:
             data = self._fetch(key, name)
-            if self.cache:
-                try:
-                    self.cache.save(key, data)
-                except OSError as exc:  # a cache that cannot write never fails a read
-                    log.warning("could not keep %s in the cache %s: %s", key, self.cache.root, exc)
-                finally:
-                    self.cache.received(key)
+            self._keep(key, data)
         if len(data) <= _MEMO_LIMIT:
             self._memo[name] = data
         return data
+
+    def _keep(self, key: str, data: bytes) -> None:
+        """Keep verified `data` in the cache, if any (where peers are served from)."""
+        if self.cache:
+            try:
+                self.cache.save(key, data)
+            except OSError as exc:  # a cache that cannot write never fails a read
+                log.warning("could not keep %s in the cache %s: %s", key, self.cache.root, exc)
+            finally:
+                self.cache.received(key)
 
     def _fetch(self, key: str, name: str) -> bytes:
         expected = self.digests.get(name)
@@ -275,6 +279,18 @@ class VersionFiles(Mapping[str, bytes]):
             parts.append(piece)
             offset += len(piece)
         return b"".join(parts)
+
+    def hold(self, name: str, data: bytes) -> None:
+        """Use `data` as the file `name` without fetching it (the caller checked it against
+        the version's claim); kept in the cache like a fetched file, so peers that ask
+        for it are served."""
+        if name not in self.sizes or len(data) != self.sizes[name]:
+            raise CorruptPayload(
+                f"{self.ref.identity}/{name}: {len(data)} bytes given, the version lists "
+                f"{self.sizes.get(name)}"
+            )
+        self._memo[name] = data
+        self._keep(version_file_key(self.ref, name), data)
 
     def fetch_all(self) -> int:
         """Fetch every file now and hold it in memory; return the bytes held."""

@@ -57,6 +57,7 @@ from store.layout import (
 from store.manifest import INDEX_FILENAME, Manifest
 from store.objects import ObjectStore, open_objects
 from store.pointer import READ_NOW, Expected, Pointer
+from store.relayed import RelayedVersion
 from store.retention import GcReport, versions_to_keep
 from store.run_metadata import RunMetadata
 from store.safetensors_io import load as load_safetensors
@@ -143,6 +144,14 @@ class VerifyReport:
         return not self.problems
 
 
+def _relayed_info(relayed: RelayedVersion) -> StoredVersion:
+    """A relayed version as if listed: complete, because only a version the store's pointer
+    has reached is relayed, and the pointer moves only to complete versions."""
+    return StoredVersion(
+        ref=relayed.ref, manifest=relayed.manifest, sizes=relayed.sizes, complete=True
+    )
+
+
 class CompleteVersions(Collection[int]):
     """A run's complete versions, each looked up when it is asked about.
 
@@ -152,10 +161,14 @@ class CompleteVersions(Collection[int]):
     the fleet, every agent doing it). Iterating (for an error message) lists them all.
     """
 
-    def __init__(self, store: Store, run_id: str) -> None:
+    def __init__(
+        self, store: Store, run_id: str, relayed: Mapping[int, RelayedVersion] | None = None
+    ) -> None:
         self._store = store
         self._run_id = run_id
-        self._infos: dict[int, StoredVersion] = {}
+        self._infos: dict[int, StoredVersion] = {
+            version: _relayed_info(copy) for version, copy in (relayed or {}).items()
+        }
 
     def info(self, version: int) -> StoredVersion:
         if version not in self._infos:
@@ -441,15 +454,29 @@ class Store:
 
     # ---- read side --------------------------------------------------------------------
 
-    def open_version(self, ref: VersionRef, sources: SourcedFetch | None = None) -> VersionFiles:
+    def open_version(
+        self,
+        ref: VersionRef,
+        sources: SourcedFetch | None = None,
+        relayed: RelayedVersion | None = None,
+    ) -> VersionFiles:
         """The version's files as a lazy `Mapping[str, bytes]` (index and shards).
 
         Files are fetched on first access and, with a `cache_dir`, kept there verified.
         `VersionFiles.header(name)` reads a shard's safetensors header by ranged reads.
         With `sources`, a shard is asked of them first and used only if it matches the size
         and digest the version's claim records in this store (a version without a claim,
-        e.g. one Stitch wrote, is read from this store only).
+        e.g. one Stitch wrote, is read from this store only). With `relayed` (the version's
+        claim and index as read from this store by someone else, checked against each
+        other) neither is read again: the shards are checked against its claim.
         """
+        if relayed is not None:
+            files = VersionFiles(
+                self.objects, ref, _relayed_info(relayed).version_files, self.cache, sources,
+                relayed.digests if sources is not None and sources.sources else None,
+            )  # fmt: skip
+            files.hold(INDEX_FILENAME, relayed.index)
+            return files
         info = self._version_info(ref)
         if not info.complete:
             raise VersionNotFound(
@@ -477,11 +504,19 @@ class Store:
                     digests[name] = FileDigest(size, digest)
         return digests
 
-    def plan_catch_up(self, run_id: str, target: int, have: int | None = None) -> CatchUpPlan:
+    def plan_catch_up(
+        self,
+        run_id: str,
+        target: int,
+        have: int | None = None,
+        relayed: Mapping[int, RelayedVersion] | None = None,
+    ) -> CatchUpPlan:
         """Versions to fetch to reach `target`: from `have` if its chain leads there, else
-        from the nearest FULL anchor at or below `target`, then the deltas in order."""
+        from the nearest FULL anchor at or below `target`, then the deltas in order.
+        `relayed`: versions whose claim and index someone already read from this store
+        (`RelayedVersion`); they are planned from those, the others from the store."""
         validate_version(target, "target")
-        available = CompleteVersions(self, run_id)
+        available = CompleteVersions(self, run_id, relayed)
 
         def describe(version: int) -> tuple[VersionKind, int | None]:
             manifest = available.info(version).manifest
@@ -500,6 +535,7 @@ class Store:
         progress: Progress | None = None,
         sources: SourcedFetch | None = None,
         on_plan: Callable[[CatchUpPlan], None] | None = None,
+        relayed: Mapping[int, RelayedVersion] | None = None,
     ) -> dict[str, RawTensor]:
         """The canonical tensors of version `target`, every target checksum verified.
 
@@ -507,6 +543,8 @@ class Store:
         from it when its chain reaches `target`; otherwise from the nearest FULL anchor.
         `base` is never modified. `sources`: other places to fetch files from before this
         store (see `open_version`). `on_plan` hears the plan before any byte is fetched.
+        `relayed`: versions planned and verified from a relayed claim and index instead of
+        reading those from this store (see `plan_catch_up`).
         """
         from store.codecs import decode_version, fold
 
@@ -515,13 +553,14 @@ class Store:
                 "pass base and have together: base is the tensors of version have "
                 f"(got base={'given' if base is not None else None}, have={have!r})"
             )
-        plan = self.plan_catch_up(run_id, target, have)
+        relayed = relayed or {}
+        plan = self.plan_catch_up(run_id, target, have, relayed)
         if on_plan is not None:
             on_plan(plan)
         total = len(plan.downloads) + 1
         fetched: list[VersionFiles] = []
         for done, version in enumerate(plan.downloads):
-            files = self.open_version(VersionRef(run_id, version), sources)
+            files = self.open_version(VersionRef(run_id, version), sources, relayed.get(version))
             files.fetch_all()
             fetched.append(files)
             if progress:

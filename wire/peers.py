@@ -29,12 +29,25 @@ class PeerSource(TetherModel):
     applied_version: int | None
 
 
+class PlanningFiles(TetherModel):
+    """A version's `.tether-claim` and index, exactly as the control plane read them from
+    the store (UTF-8 text), so that an engine plans and verifies its catch-up without
+    reading them itself. The engine checks them against each other (the claim records the
+    index's size and digest) and the shards against the claim."""
+
+    claim: str
+    index: str
+
+
 class FetchPlan(TetherModel):
     """Where an engine catching up to `version` gets its files: `peers` in order, then the
-    store (always last, always there). An empty list means: the store only."""
+    store (always last, always there). An empty list means: the store only. `planning`:
+    the version's claim and index when the plan names peers and the control plane has
+    them (absent: read them from the store)."""
 
     version: int
     peers: list[PeerSource] = Field(default_factory=list)
+    planning: PlanningFiles | None = None
 
 
 class PeerReport(TetherModel):

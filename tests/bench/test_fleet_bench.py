@@ -50,6 +50,9 @@ def test_every_engine_of_the_swarm_commits_the_store_s_bytes_despite_a_lying_pee
         # The store served the version at least once, whoever passed it on.
         assert row["store_egress_bytes"] >= row["version_bytes"]
         assert row["store_shards_bytes"] >= row["shard_bytes"] > 0
+        # The control plane read the version's claim and index (for the plans naming
+        # peers), and those reads count in the store's egress.
+        assert row["store_controlplane_bytes"] > 0
         assert row["woken"] >= 1
     assert result["heartbeats"] > 0
     assert result["heartbeat_p99_ms"] is not None

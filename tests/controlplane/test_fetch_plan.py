@@ -3,10 +3,17 @@ over the peers that hold it, so the store serves each file about once per versio
 
 from __future__ import annotations
 
+import json
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 from controlplane.fetch_plan import Suspects, plan_fetch
 from controlplane.snapshot import EngineView, FleetSnapshot, RunView
+from store.checksum import tensor_checksum
+from store.layout import CLAIM_FILENAME
+from store.manifest import INDEX_FILENAME
+from tests.controlplane.conftest import Api
 from tests.controlplane.test_dashboard import view
 from wire import SyncState, TargetPolicy
 from wire.peers import PeerReport
@@ -74,3 +81,58 @@ def test_engines_out_of_service_or_reported_are_never_named() -> None:
 def test_a_plan_size_of_zero_turns_peer_fetch_off() -> None:
     snap = snapshot([engine("a", 2), engine("b", 1)], latest=2)
     assert plan_fetch(snap, "b", RUN, 2, fanout=2, plan_size=0).peers == []
+
+
+def write_claim(store_root: Path, run_id: str, version: int) -> tuple[str, str]:
+    """A claim beside the index `publish` laid out (as the store writes one); both texts."""
+    folder = store_root / run_id / "updates" / f"weight_v{version:06d}"
+    index = (folder / INDEX_FILENAME).read_bytes()
+    claim = json.dumps({INDEX_FILENAME: [len(index), tensor_checksum(index)]}, sort_keys=True)
+    (folder / CLAIM_FILENAME).write_text(claim)
+    return claim, index.decode()
+
+
+def test_a_plan_naming_peers_carries_the_claim_and_index_read_from_the_store_once(
+    make_api: Callable[..., Api], db_url: str
+) -> None:
+    api = make_api(db_url)
+    api.create_run("relay")
+    api.publish("relay", 1)
+    claim, index = write_claim(api.store_root, "relay", 1)
+    holder = api.register("relay", 1)
+    fetcher = api.register("relay", None, sync_state="syncing")
+    api.settle()
+
+    def plan() -> dict:
+        reply = api.call("GET", f"/v1/engines/{fetcher}/fetch-plan?version=1", "engine")
+        assert reply.status_code == 200, reply.text
+        return reply.json()
+
+    first = plan()
+    assert [p["engine_id"] for p in first["peers"]] == [holder]
+    assert first["planning"] == {"claim": claim, "index": index}
+    # Read once: with the store's copies gone the plan still carries them.
+    folder = api.store_root / "relay" / "updates" / "weight_v000001"
+    (folder / CLAIM_FILENAME).unlink()
+    assert plan()["planning"] == {"claim": claim, "index": index}
+    metrics = api.call("GET", "/metrics").text
+    read = [line for line in metrics.splitlines()
+            if line.startswith('tether_store_read_bytes_total{what="planning"}')]  # fmt: skip
+    assert read and float(read[0].rsplit(" ", 1)[1]) == len(claim) + len(index.encode())
+
+
+def test_a_plan_without_peers_or_for_an_unpublished_version_carries_no_planning_files(
+    make_api: Callable[..., Api], db_url: str
+) -> None:
+    api = make_api(db_url)
+    api.create_run("lone")
+    api.publish("lone", 1)
+    write_claim(api.store_root, "lone", 1)
+    alone = api.register("lone", None, sync_state="syncing")
+    api.settle()
+    reply = api.call("GET", f"/v1/engines/{alone}/fetch-plan?version=1", "engine").json()
+    assert reply["peers"] == [] and reply["planning"] is None
+    api.register("lone", 1)
+    api.settle()
+    ahead = api.call("GET", f"/v1/engines/{alone}/fetch-plan?version=2", "engine").json()
+    assert ahead["planning"] is None

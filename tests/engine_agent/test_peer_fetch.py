@@ -22,7 +22,9 @@ from engine_agent.peer_fetch import PeerFetch
 from engine_agent.status import AgentStatus
 from reference_engine.engine import weights_checksum
 from store.layout import CLAIM_FILENAME, version_file_key
+from store.manifest import INDEX_FILENAME
 from store.sources import HttpSource, SourcedFetch
+from store.store import Store
 from store.types import VersionRef
 from tests.engine_agent.conftest import (
     ControlPlaneProcess,
@@ -39,7 +41,8 @@ from tests.fixtures.reference_engine import (
     launch_reference_engine,
     wait_until_ready,
 )
-from wire.peers import PEER_FILES_PATH
+from tests.store.chain import publish_chain
+from wire.peers import PEER_FILES_PATH, FetchPlan, PlanningFiles
 
 RUN = "peer-run"
 CATCH_UP_S = 90.0
@@ -139,7 +142,10 @@ def test_engines_catching_up_together_read_each_file_from_the_store_once(
     sources = [pass_for(fleet.agents[n], version)["bytes_from"] for n in "ab"]
     total = fleet.version_bytes(version)
     assert sum(s.get("store", 0) for s in sources) == total
-    assert sum(s.get("peer", 0) for s in sources) == total
+    # The engine that read its peer holds the control plane's copy of the index: the peer
+    # served it the shards only.
+    index = fleet.chain.store._version_info(VersionRef(RUN, version)).sizes[INDEX_FILENAME]
+    assert sum(s.get("peer", 0) for s in sources) == total - index
     expected = weights_checksum(fleet.chain.torch_tensors(version))
     assert engine_checksum(fleet.engines["a"]) == engine_checksum(fleet.engines["b"]) == expected
 
@@ -216,8 +222,10 @@ def test_a_stalled_peer_is_dropped_within_its_deadline_and_the_store_serves(
     finally:
         for holder in holders:
             os.killpg(holder.process.pid, signal.SIGCONT)
-    # C started from its boot version: every delta since came from the store.
-    needed = sum(fleet.version_bytes(v) for v in range(1, version + 1))
+    # C started from its boot version: every delta since came from the store, but for the
+    # target's index, which came with the control plane's plan.
+    index = fleet.chain.store._version_info(VersionRef(RUN, version)).sizes[INDEX_FILENAME]
+    needed = sum(fleet.version_bytes(v) for v in range(1, version + 1)) - index
     assert pass_for(agent, version)["bytes_from"].get("store", 0) == needed
 
 
@@ -303,3 +311,69 @@ def test_a_pass_asks_for_its_plan_without_waiting_and_its_fetch_thread_gets_the_
     assert found == ["http://127.0.0.1:9/a", "http://127.0.0.1:9/b"]
     sourced.close()
     fetch.close()
+
+
+def test_a_late_engine_plans_from_the_control_planes_claim_and_index_not_the_stores(
+    fleet: PeerFleet,
+) -> None:
+    version = fleet.publish()
+    for name in "ab":
+        wait_applied(fleet.agents[name], version, CATCH_UP_S)
+    # One of A and B had the other as its peer: the control plane read the claim and index.
+    assert metric(fleet.cp.url, 'tether_store_read_bytes_total{what="planning"}') > 0
+    index = fleet.chain.store_root / RUN / "updates" / f"weight_v{version:06d}" / INDEX_FILENAME
+    original = index.read_bytes()
+    # The store's index turns to garbage: a catch-up that read it could not be planned.
+    index.write_bytes(bytes(len(original)))
+    try:
+        agent = fleet.start_late_agent()
+        wait_applied(agent, version, CATCH_UP_S)
+    finally:
+        index.write_bytes(original)
+    assert engine_checksum(fleet.engines["c"]) == weights_checksum(
+        fleet.chain.torch_tensors(version)
+    )
+
+
+def fetch_with_plan(plan: FetchPlan) -> tuple[PeerFetch, dict]:
+    """`PeerFetch.relayed` for a pass whose fetch plan was `plan`."""
+    fetch = PeerFetch(
+        control=None, engine_id=lambda: "e", own_url="http://127.0.0.1:9", token=None,
+        status=AgentStatus(), configured=[],
+    )  # fmt: skip
+
+    async def answered() -> FetchPlan:
+        return plan
+
+    async def one_pass() -> dict:
+        fetch._plans = {plan.version: asyncio.ensure_future(answered())}
+        return await fetch.relayed(RUN, plan.version)
+
+    return fetch, asyncio.run(one_pass())
+
+
+def test_a_claim_and_index_from_the_control_plane_that_disagree_are_refused(
+    tmp_path: Path,
+) -> None:
+    store = Store(str(tmp_path / "store"))
+    publish_chain(store, RUN, "FD")
+    ref = VersionRef(RUN, 1)
+    claim = store.objects.get(version_file_key(ref, CLAIM_FILENAME)).decode()
+    index = store.objects.get(version_file_key(ref, INDEX_FILENAME)).decode()
+
+    fetch, relayed = fetch_with_plan(
+        FetchPlan(version=1, planning=PlanningFiles(claim=claim, index=index))
+    )
+    assert list(relayed) == [1] and relayed[1].index == index.encode()
+    assert fetch.status.source_faults["relayed"] == 0
+
+    tampered = index.replace('"000001"', '"000002"', 1)
+    assert tampered != index
+    fetch, relayed = fetch_with_plan(
+        FetchPlan(version=1, planning=PlanningFiles(claim=claim, index=tampered))
+    )
+    assert relayed == {}, "a refused copy means: plan from the store"
+    assert fetch.status.source_faults["relayed"] == 1
+
+    fetch, relayed = fetch_with_plan(FetchPlan(version=1))
+    assert relayed == {} and fetch.status.source_faults["relayed"] == 0
