@@ -32,23 +32,12 @@ from llvmlite import ir
 from numba.core import types
 from numba.extending import intrinsic
 
-from store.codecs.sparse_kernels import leading_zeros, trailing_zeros
+from store.codecs.sparse_kernels import leading_zeros, popcount, trailing_zeros
 
 _jit = numba.njit(cache=True, nogil=True)
 
 OK = 0
 ERR_EVENTS = 1  # a class's gaps run past the last element of the class
-
-
-def _popcount(x: np.uint64) -> int:
-    """Set bits of a word (SWAR; LLVM turns it into one popcnt)."""
-    x = x - ((x >> np.uint64(1)) & np.uint64(0x5555555555555555))
-    x = (x & np.uint64(0x3333333333333333)) + ((x >> np.uint64(2)) & np.uint64(0x3333333333333333))
-    x = (x + (x >> np.uint64(4))) & np.uint64(0x0F0F0F0F0F0F0F0F)
-    return int((x * np.uint64(0x0101010101010101)) >> np.uint64(56))
-
-
-popcount = _jit(_popcount)
 
 
 def _select_table() -> np.ndarray:

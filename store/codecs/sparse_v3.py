@@ -21,7 +21,7 @@ but the arrays it is given.
 from __future__ import annotations
 
 from collections.abc import Callable
-from itertools import pairwise
+from itertools import accumulate, pairwise
 
 import numpy as np
 
@@ -71,6 +71,7 @@ _CLASS_BITS = 16.0  # a class's threshold and event count
 _RICE_SLACK = 1.03  # Rice codes spend ~3 % over n·H2(k/n) at these densities
 _GAIN = 1.02  # try classes unless they are estimated this much larger (then keep the smaller)
 _SURE = 0.8  # ... and skip encoding the gaps form when they are estimated this much smaller
+_NO_INDEX = np.uint64(np.iinfo(np.uint64).max)  # STEP index sentinel: no change has it
 
 
 def _keymask(width: int) -> int:
@@ -333,8 +334,7 @@ class SparseV3Codec(SparseV2Codec):
         lo_of = np.array([lo for lo, _, _ in live], bits.dtype)
         width_of = np.array([width for _, width, _ in live], bits.dtype)
         self._settle_counts(bits, keymask_of, lo_of, width_of, counts, gap_at, changed, what)
-        value_at = np.zeros(len(live) + 1, np.int64)
-        np.cumsum(counts, out=value_at[1:])
+        value_at = np.array([0, *accumulate(counts)], np.int64)  # a list: no numpy round trip
         found = np.empty(changed, np.int64)
         error = self._apply_class_values(
             bits,
@@ -407,7 +407,7 @@ class SparseV3Codec(SparseV2Codec):
         down = np.empty(0, np.uint8)
         # Each with one sentinel past its end (an index no change has), so the kernel
         # reads the next magnitude without a bounds test.
-        no_index = np.iinfo(np.uint64).max
+        no_index = _NO_INDEX
         index = np.full(1, no_index, np.uint64)
         magnitude = np.zeros(1, np.uint64)
         if header.mode != VALUES_STEP:

@@ -437,8 +437,9 @@ def test_changes_are_found_across_word_and_block_edges(dtype):
 
 @pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint64])
 def test_the_change_mask_matches_numpy_across_scan_chunks(dtype):
-    """The compiled scan compares 4096 elements at a time: changes on both sides of chunk
-    edges, a short last chunk, and chunks without any change all land in the right bits."""
+    """The compiled scan compares 64 elements per vector compare: changes on both sides of
+    word and 4096-element edges, a short last word, and words without any change all land
+    in the right bits."""
     size = 3 * 4096 + 100
     rng = np.random.default_rng(9)
     old = rng.integers(0, np.iinfo(dtype).max, size, dtype=dtype)
