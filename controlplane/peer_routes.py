@@ -1,7 +1,8 @@
 """The control plane's routes for peer-assisted fetch (docs/peers.md).
 
-- `GET /v1/engines/{engine_id}/fetch-plan?version=V` (engine role): the peers this engine
-  should ask for the files of version V, nearest first; the store comes after them.
+- `GET /v1/engines/{engine_id}/fetch-plan?version=V[&planning=true]` (engine role): the
+  peers this engine should ask for the files of version V, nearest first; the store comes
+  after them; with `planning`, V's claim and index when the plan names peers.
 - `POST /v1/engines/{engine_id}/peer-reports` (engine role): a peer served bad bytes,
   failed or stalled; it is left out of plans for `peer_suspect_s` and counted.
 - `GET /v1/tokens/self` (any role): the caller's role, so an agent can check that a peer
@@ -50,6 +51,12 @@ def install(app: FastAPI, cp: Services, role: RoleDependency) -> None:
     async def fetch_plan(
         engine_id: str,
         version: int = Query(ge=0, le=MAX_INT, description="the version being fetched"),
+        planning: bool = Query(
+            False,
+            description="include the version's claim and index (`planning`) when the plan "
+            "names peers; agents that check them ask, older agents (whose plan has no such "
+            "field) do not",
+        ),
         _: Role = Depends(role(ENGINE)),
     ) -> FetchPlan:
         """Peers to fetch `version`'s files from, nearest first; then the store."""
@@ -68,7 +75,8 @@ def install(app: FastAPI, cp: Services, role: RoleDependency) -> None:
         # Only with peers: an engine told to read the store (the tree's root, a lone
         # engine, peer fetch off) reads the claim and index there as it always did.
         if (
-            plan.peers
+            planning
+            and plan.peers
             and run is not None
             and run.latest_version is not None
             and version <= run.latest_version

@@ -21,8 +21,10 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from controlplane.pointer import open_store
+from store.errors import CorruptPayload
 from store.layout import CLAIM_FILENAME, version_file_key
 from store.manifest import INDEX_FILENAME
+from store.relayed import RelayedVersion
 from store.types import VersionRef
 from wire.peers import PlanningFiles as PlanningFilesBody
 
@@ -78,7 +80,9 @@ class PlanningFiles:
         index = objects.get(version_file_key(ref, INDEX_FILENAME))
         self.on_read(len(claim) + len(index))
         try:
+            # The engines check the copy the same way; one that fails here is not kept.
+            RelayedVersion.check(ref, claim, index)
             return PlanningFilesBody(claim=claim.decode(), index=index.decode())
-        except UnicodeDecodeError:
-            log.warning("%s: claim or index is not UTF-8; engines read them from the store", ref)
+        except (CorruptPayload, UnicodeDecodeError) as exc:
+            log.warning("%s: claim and index not relayed (%s); engines read the store", ref, exc)
             return None

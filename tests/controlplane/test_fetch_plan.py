@@ -104,10 +104,14 @@ def test_a_plan_naming_peers_carries_the_claim_and_index_read_from_the_store_onc
     api.settle()
 
     def plan() -> dict:
-        reply = api.call("GET", f"/v1/engines/{fetcher}/fetch-plan?version=1", "engine")
+        path = f"/v1/engines/{fetcher}/fetch-plan?version=1&planning=true"
+        reply = api.call("GET", path, "engine")
         assert reply.status_code == 200, reply.text
         return reply.json()
 
+    # An agent that does not ask (an older one) gets the plan it knows, without them.
+    older = api.call("GET", f"/v1/engines/{fetcher}/fetch-plan?version=1", "engine").json()
+    assert older["peers"] and older["planning"] is None
     first = plan()
     assert [p["engine_id"] for p in first["peers"]] == [holder]
     assert first["planning"] == {"claim": claim, "index": index}
@@ -130,9 +134,11 @@ def test_a_plan_without_peers_or_for_an_unpublished_version_carries_no_planning_
     write_claim(api.store_root, "lone", 1)
     alone = api.register("lone", None, sync_state="syncing")
     api.settle()
-    reply = api.call("GET", f"/v1/engines/{alone}/fetch-plan?version=1", "engine").json()
+    reply = api.call("GET", f"/v1/engines/{alone}/fetch-plan?version=1&planning=true", "engine")
+    reply = reply.json()
     assert reply["peers"] == [] and reply["planning"] is None
     api.register("lone", 1)
     api.settle()
-    ahead = api.call("GET", f"/v1/engines/{alone}/fetch-plan?version=2", "engine").json()
+    ahead = api.call("GET", f"/v1/engines/{alone}/fetch-plan?version=2&planning=1", "engine")
+    ahead = ahead.json()
     assert ahead["planning"] is None

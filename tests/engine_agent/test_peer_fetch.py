@@ -319,8 +319,16 @@ def test_a_late_engine_plans_from_the_control_planes_claim_and_index_not_the_sto
     version = fleet.publish()
     for name in "ab":
         wait_applied(fleet.agents[name], version, CATCH_UP_S)
-    # One of A and B had the other as its peer: the control plane read the claim and index.
-    assert metric(fleet.cp.url, 'tether_store_read_bytes_total{what="planning"}') > 0
+    # A's plan for the version names B, which holds it: the control plane reads the claim
+    # and index (whether A and B named each other while fetching depends on timing).
+    engine_a = fleet.cp.engine(RUN, fleet.agents["a"].url or "")
+    assert engine_a is not None
+
+    def planning() -> dict | None:
+        path = f"/v1/engines/{engine_a['engine_id']}/fetch-plan?version={version}&planning=true"
+        return fleet.cp.call("GET", path, "engine").json()["planning"]
+
+    wait_until(planning, 30, "a fetch plan with the claim and index")
     index = fleet.chain.store_root / RUN / "updates" / f"weight_v{version:06d}" / INDEX_FILENAME
     original = index.read_bytes()
     # The store's index turns to garbage: a catch-up that read it could not be planned.
