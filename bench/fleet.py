@@ -451,6 +451,11 @@ def _measure(config: FleetConfig, work: Path, say: Callable[[str], None]) -> dic
             "cp_wake_p99_ms": _ms(cp_latency.quantile(cp_wakes, 0.99)),
             "controlplane_cpu_cores": round(cp_cpu / wall, 3),
             "swarm_cpu_cores": round(sum(s["cpu_s"] for s in summaries) / wall, 3),
+            # The swarm's CPU over the window (catch-ups, and every heartbeat, long-poll and
+            # peer upload meanwhile) per catch-up: what one more engine costs the machine.
+            "swarm_cpu_ms_per_catchup": round(
+                1000 * sum(s["cpu_s"] for s in summaries) / (config.engines * config.versions), 2
+            ),
             "swarm_rss_mb_per_agent": round(
                 sum(s["max_rss_kb"] for s in summaries) / 1024 / config.engines, 2
             ),
@@ -641,7 +646,8 @@ def run(
             f"{result['cp_heartbeat_p99_ms']} ms); wake p99 {result['wake_p99_ms']} ms "
             f"(control plane's side {result['cp_wake_p99_ms']} ms); swarm loop lag p99 "
             f"{result['swarm_loop_lag_p99_ms']} ms; control plane "
-            f"{result['controlplane_cpu_cores']} cores, swarm {result['swarm_cpu_cores']} cores"
+            f"{result['controlplane_cpu_cores']} cores, swarm {result['swarm_cpu_cores']} cores "
+            f"({result['swarm_cpu_ms_per_catchup']} ms per catch-up)"
         )
     if not results:
         print(json.dumps({"engines": 0, "failed": failures}))

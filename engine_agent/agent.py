@@ -463,7 +463,13 @@ class Agent:
             log.error("engine at %s never answered: %s", self.settings.engine_url, exc)
             return EXIT_STARTUP
         config = uvicorn.Config(
-            self.proxy.app(), log_level="warning", access_log=False, lifespan="off"
+            self.proxy.app(),
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            # Nothing here reads the client's address; checking X-Forwarded-For against the
+            # trusted hosts parses IP addresses on every request (and every peer upload).
+            proxy_headers=False,
         )
         server = _Server(config)
         tasks = {asyncio.create_task(server.serve(sockets=[self.sock]), name="proxy")}

@@ -34,6 +34,15 @@ log = logging.getLogger(__name__)
 
 Reply = TypeVar("Reply", bound=BaseModel)
 
+# How long an idle connection to the control plane is kept for the next call: longer than
+# the heartbeat interval, so that beats reuse one connection instead of opening one each
+# (httpx's default, 5 s, is shorter than the usual interval: a TCP connect and an accept
+# per beat, on the agent's loop and the control plane's), and shorter than the control
+# plane's own keep-alive (65 s, `controlplane.serving`), so the agent never reuses one the
+# server is closing. A connection closed meanwhile (a proxy's shorter idle timeout) is
+# seen as closed before reuse and replaced.
+KEEPALIVE_S = 60.0
+
 
 class _ReplicaDown(ControlPlaneUnavailable):
     """This replica did not answer or answered 5xx: another one may."""
@@ -64,6 +73,7 @@ class ControlClient:
                 timeout=timeout_s,
                 event_hooks=event_hooks,
                 verify=shared_tls(),
+                limits=httpx.Limits(keepalive_expiry=KEEPALIVE_S),
             )
             for u in self.urls
         ]

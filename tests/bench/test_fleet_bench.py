@@ -62,6 +62,7 @@ def test_every_engine_of_the_swarm_commits_the_store_s_bytes_despite_a_lying_pee
     assert result["cp_wakes"] >= 1
     assert result["swarm_loop_lag_p99_ms"] is not None
     assert result["swarm_rss_mb_per_agent"] > 0
+    assert result["swarm_cpu_ms_per_catchup"] > 0
     assert result["store_planning_bytes_per_engine"] > 0
     assert result["swarm_threads"] >= 2
     assert result["single_catchup_s"] > 0
