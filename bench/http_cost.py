@@ -1,0 +1,119 @@
+"""CPU per HTTP request of the ways an agent can call its control plane.
+
+Owns measuring, in one process against a bare asyncio HTTP/1.1 server on loopback, the CPU
+(`time.process_time`, client and server together) of one small JSON POST (a heartbeat's
+size) made: with `httpx.AsyncClient` as the agent makes it (`base_url` + path), with a new
+connection for every request (what an idle expiry shorter than the heartbeat interval
+costs), with a pre-built absolute URL, and as a hand-written HTTP/1.1 exchange on an
+asyncio stream (the floor). The server's share is the same small amount in every row, so
+differences are the client's. Prints one JSON line. Never asserts; never used outside
+`bench/`.
+
+    python -m bench.http_cost [--requests 2000]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable
+
+import httpx
+import typer
+
+BODY = b'{"applied_version": 2, "staging_target": null, "in_flight": 0, "engine_reachable": true}'
+REPLY = b'{"target_version": 3, "lease_seconds": 50.0}'
+HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(
+    REPLY
+)
+PATH = "/v1/engines/e/heartbeat"
+WARM = 50
+
+
+class _Server:
+    """Answers every request with `REPLY`; knows when its last connection has ended."""
+
+    def __init__(self) -> None:
+        self.open = 0
+        self.idle = asyncio.Event()
+
+    async def answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.open += 1
+        self.idle.clear()
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        await reader.readexactly(int(line.split(b":", 1)[1]))
+                writer.write(HEAD + REPLY)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+            self.open -= 1
+            if self.open == 0:
+                self.idle.set()
+
+
+async def _cpu_ms(requests: int, call: Callable[[], Awaitable[object]]) -> float:
+    for _ in range(WARM):
+        await call()
+    started = time.process_time()
+    for _ in range(requests):
+        await call()
+    return round(1000 * (time.process_time() - started) / requests, 3)
+
+
+async def measure(requests: int) -> dict[str, float]:
+    """CPU milliseconds per request of each way (see the module's docstring)."""
+    answers = _Server()
+    server = await asyncio.start_server(answers.answer, "127.0.0.1", 0)
+    base = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    headers = {"content-type": "application/json"}
+    result: dict[str, float] = {}
+    try:
+        for name, expiry in (("httpx_keepalive", 60.0), ("httpx_new_connection", 0.0)):
+            limits = httpx.Limits(keepalive_expiry=expiry)
+            async with httpx.AsyncClient(base_url=base, limits=limits) as client:
+
+                async def post(client: httpx.AsyncClient = client) -> object:
+                    return await client.post(PATH, content=BODY, headers=headers)
+
+                result[f"{name}_ms"] = await _cpu_ms(requests, post)
+        url = httpx.URL(base + PATH)
+        async with httpx.AsyncClient() as client:
+
+            async def post_url(client: httpx.AsyncClient = client) -> object:
+                return await client.post(url, content=BODY, headers=headers)
+
+            result["httpx_absolute_url_ms"] = await _cpu_ms(requests, post_url)
+        reader, writer = await asyncio.open_connection("127.0.0.1", url.port)
+        request = (
+            f"POST {PATH} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(BODY)}\r\n\r\n"
+        ).encode() + BODY
+
+        async def exchange() -> object:
+            writer.write(request)
+            await writer.drain()
+            await reader.readuntil(b"\r\n\r\n")
+            return await reader.readexactly(len(REPLY))
+
+        result["raw_stream_ms"] = await _cpu_ms(requests, exchange)
+        writer.close()
+        # Every client has left: let the server's connections end before the loop does.
+        await asyncio.wait_for(answers.idle.wait(), 10.0)
+    finally:
+        server.close()
+    return result
+
+
+def main(requests: int = typer.Option(2000, help="timed requests per way")) -> None:
+    print(json.dumps(asyncio.run(measure(requests))))
+
+
+if __name__ == "__main__":
+    typer.run(main)
