@@ -35,12 +35,15 @@ log = logging.getLogger(__name__)
 Reply = TypeVar("Reply", bound=BaseModel)
 
 # How long an idle connection to the control plane is kept for the next call: longer than
-# the heartbeat interval, so that beats reuse one connection instead of opening one each
-# (httpx's default, 5 s, is shorter than the usual interval: a TCP connect and an accept
-# per beat, on the agent's loop and the control plane's), and shorter than the control
+# a heartbeat interval or the time between versions, so that beats and fetch plans reuse
+# connections instead of opening one each (httpx's default, 5 s, is shorter than the
+# intervals a large fleet runs, e.g. 10 s: a TCP connect and an accept per beat, on the
+# agent's loop and the control plane's), and shorter than the control
 # plane's own keep-alive (65 s, `controlplane.serving`), so the agent never reuses one the
-# server is closing. A connection closed meanwhile (a proxy's shorter idle timeout) is
-# seen as closed before reuse and replaced.
+# server is closing. A connection the other side closed meanwhile (a proxy's shorter idle
+# timeout) is seen as closed before reuse and replaced; one dropped silently fails that
+# one call as an unreachable control plane would (a heartbeat retries, a long-poll asks
+# again, a fetch plan falls back to the store).
 KEEPALIVE_S = 60.0
 
 
