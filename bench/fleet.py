@@ -85,6 +85,10 @@ class FleetConfig:
     # Children per peer in the control plane's fetch tree (`TETHER_PEER_FANOUT`): a peer's
     # upload, capped at its link's rate, is shared by that many children.
     peer_fanout: int = 2
+    # Shard files per delta version (a real checkpoint's delta has hundreds): the control
+    # plane deals a version's shards out to `peer_fanout` trees, so more than one lets every
+    # agent take its files from several parents at once.
+    shards: int = 4
 
     @property
     def caps(self) -> dict[str, float]:
@@ -188,6 +192,7 @@ class Trainer:
         from store.synthetic import random_checkpoint
 
         self.stack = stack
+        self.shards = config.shards
         self.store = Store(stack.store_url, storage_options=dict(stack.s3.storage_options))
         # Square BF16 tensors of 256 × 256 (128 KB each) up to the model size asked for.
         count = max(1, round(config.model_kb * 1024 / (256 * 256 * 2)))
@@ -229,16 +234,23 @@ class Trainer:
         return version
 
     def _publish(self, version: int, base: Any) -> None:
-        from store.codecs import encode_version
+        from store.codecs import DEFAULT_SHARD_BYTES, encode_version
         from store.types import VersionRef
 
-        files = encode_version(
-            self.weights,
-            base,
-            version=version,
-            base_version=None if base is None else version - 1,
-            codec="full" if base is None else "sparse",
-        )
+        def encode(shard_bytes: int = DEFAULT_SHARD_BYTES) -> dict[str, bytes]:
+            return encode_version(
+                self.weights,
+                base,
+                version=version,
+                base_version=None if base is None else version - 1,
+                codec="full" if base is None else "sparse",
+                shard_bytes=shard_bytes,
+            )
+
+        files = encode()
+        if base is not None and self.shards > 1:
+            whole = sum(len(data) for name, data in files.items() if name.endswith(".safetensors"))
+            files = encode(max(1, -(-whole // self.shards)))
         self.store.publish(VersionRef(RUN, version), files)
         self.sizes[version] = sum(len(data) for data in files.values())
         self.shard_sizes[version] = sum(
@@ -394,6 +406,7 @@ def _measure(config: FleetConfig, work: Path, say: Callable[[str], None]) -> dic
             "engines": config.engines,
             "versions": config.versions,
             "version_bytes": round(mean("version_bytes")),
+            "shards": config.shards,
             "caps": config.caps,
             "heartbeat_interval_s": config.heartbeat_s,
             "swarm_procs": procs,
@@ -609,6 +622,10 @@ def run(
     peers: bool = typer.Option(False, help="peer-assisted fetch between the agents"),
     bad_peers: int = typer.Option(0, help="agents that serve their peers damaged files"),
     peer_fanout: int = typer.Option(2, help="children per peer in the fetch tree"),
+    shards: int = typer.Option(4, help="shard files per delta version"),
+    peer_chunk_bytes: int = typer.Option(
+        2048, help="piece a file is forwarded in while it arrives (cut-through)"
+    ),
     earlier: list[Path] = typer.Option(
         [], help="saved output of an earlier run: its scales join this run's for the models"
     ),
@@ -625,7 +642,8 @@ def run(
             store_egress_mbps=store_egress_mbps, heartbeat_s=heartbeat_s,
             lease_s=max(10.0, heartbeat_s * 5), threads=threads,
             procs=swarm_procs or default_procs(), start_per_s=start_per_s, peers=peers,
-            bad_peers=bad_peers, peer_fanout=peer_fanout,
+            bad_peers=bad_peers, peer_fanout=peer_fanout, shards=shards,
+            peer_chunk_bytes=peer_chunk_bytes,
         )  # fmt: skip
         print(
             f"--- {n} engines in {min(n, config.procs)} swarm processes, caps {config.caps}, "

@@ -2,13 +2,23 @@
 
 The control plane knows from heartbeats what every engine of a run applied and where the
 policy sends it. For a version V it orders the run's engines into one list: first those
-that already applied V or later (holders), then those catching up to V or later (fetchers),
-each group by engine id. In that list every engine's parent is the one at `(i - 1) //
-fanout`, so the engines form a `fanout`-ary tree whose root is the first holder, or (when
-nobody holds V yet) the first fetcher, which reads the store. An engine's plan is its
-ancestors, nearest first, at most `plan_size` of them; the store always comes after them.
-Within the fetchers a parent always has a smaller id than its child, so no two engines
-ever wait on each other, and the store serves each file about once per version.
+that already applied V or later (holders, by engine id), then those catching up to V or
+later (fetchers, by their place on a circle, below). In that list every engine's parent is
+the one at `(i - 1) // fanout`, so the engines form a `fanout`-ary tree whose root is the
+first holder, or (when nobody holds V yet) the first fetcher, which reads the store. An
+engine's ancestors, nearest first, at most `plan_size` of them, are its plan; the store
+always comes after them.
+
+One tree makes every child share its parent's upload with `fanout - 1` siblings, so a leaf
+receives at 1/fanout of a link. So there are `fanout` trees (lanes) over the same engines,
+and a version's shards are dealt out to them in turn: each fetcher has a fixed place on a
+circle (a hash of its id), and lane k orders the fetchers from the point k/fanout of the
+way round. The first 1/fanout of a lane's order are its interior nodes, so each fetcher
+is interior in about one lane: it uploads about what it downloads, and receives its
+shards from `fanout` parents at once, each at 1/fanout of a link. A fetcher's place and
+each lane's starting point do not depend on who else is in the snapshot, so a parent
+always comes before its child in its lane whenever either asked: no two engines ever wait
+on each other for a file, and the store serves each file about once per version.
 
 Peers reported for bad bytes or stalls are left out of every plan for `suspect_s`
 (per process: each replica learns from the reports it receives). This module reads a fleet
@@ -17,9 +27,13 @@ snapshot only; it never touches the database or the network.
 
 from __future__ import annotations
 
+import bisect
+import functools
+import hashlib
 import logging
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from controlplane.snapshot import EngineView, FleetSnapshot
 from wire import SyncState
@@ -69,12 +83,81 @@ def plan_fetch(
     """The fetch plan of `engine_id` (of `run_id`) catching up to `version`."""
     if plan_size <= 0 or fanout <= 0:
         return FetchPlan(version=version)
-    excluded = set(suspects)
+    orders = _orders(snapshot, run_id, version, frozenset(suspects))
+    # The requester is a fetcher whatever the snapshot says of it yet.
+    holders = [h for h in orders.holders if h != engine_id]
+    fetchers = orders.fetchers
+    me = (_point(engine_id), engine_id)
+    mine = bisect.bisect_left(fetchers, me)
+    if mine == len(fetchers) or fetchers[mine] != me:
+        fetchers = [*fetchers[:mine], me, *fetchers[mine:]]
+    lanes = []
+    for lane in range(fanout):
+        start = bisect.bisect_left(fetchers, (lane / fanout, ""))
+        order = _LaneOrder(holders, fetchers, start)
+        peers: list[PeerSource] = []
+        index = len(holders) + (mine - start) % len(fetchers)
+        while index > 0 and len(peers) < plan_size:
+            index = (index - 1) // fanout
+            parent = orders.by_id[order[index]]
+            peers.append(
+                PeerSource(
+                    engine_id=parent.engine_id,
+                    url=parent.url,
+                    applied_version=parent.applied_version,
+                )
+            )
+        lanes.append(peers)
+    return FetchPlan(version=version, peers=lanes[0], lanes=lanes)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _point(engine_id: str) -> float:
+    """`engine_id`'s fixed place on a circle of circumference 1."""
+    digest = hashlib.blake2b(engine_id.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64
+
+
+@dataclass(frozen=True)
+class _Orders:
+    """A run's engines that can serve version V, as one snapshot shows them: `holders` (by
+    id), `fetchers` (by place on the circle, as (place, id)) and each by id."""
+
+    holders: list[str]
+    fetchers: list[tuple[float, str]]
+    by_id: dict[str, EngineView]
+
+
+@dataclass(frozen=True)
+class _LaneOrder:
+    """Lane order without building it: the holders, then the fetchers from `start` round."""
+
+    holders: list[str]
+    fetchers: list[tuple[float, str]]
+    start: int
+
+    def __getitem__(self, index: int) -> str:
+        if index < len(self.holders):
+            return self.holders[index]
+        return self.fetchers[(self.start + index - len(self.holders)) % len(self.fetchers)][1]
+
+
+# The orders of the last few (snapshot, run, version, suspects) asked about: at scale many
+# engines ask for the same version's plan between two snapshots.
+_ORDERS: dict[tuple[int, str, int, frozenset[str]], tuple[FleetSnapshot, _Orders]] = {}
+_ORDERS_KEPT = 16
+
+
+def _orders(
+    snapshot: FleetSnapshot, run_id: str, version: int, excluded: frozenset[str]
+) -> _Orders:
+    key = (id(snapshot), run_id, version, excluded)
+    cached = _ORDERS.get(key)
+    if cached is not None and cached[0] is snapshot:
+        return cached[1]
     holders: list[EngineView] = []
     fetchers: list[EngineView] = []
     for engine in snapshot.run_engines(run_id):
-        if engine.engine_id == engine_id:
-            continue
         if engine.url in excluded or engine.sync_state in _NOT_A_SOURCE:
             continue
         applied = engine.applied_version
@@ -91,20 +174,12 @@ def plan_fetch(
         )
         if heading is not None and heading >= version:
             fetchers.append(engine)
-    holders.sort(key=lambda e: e.engine_id)
-    # The requester takes its place among the fetchers by id (it is one, whatever the
-    # snapshot says of it yet): then every parent of a fetcher has a smaller id.
-    ranked = sorted([*(e.engine_id for e in fetchers), engine_id])
-    order = [e.engine_id for e in holders] + ranked
-    by_id = {e.engine_id: e for e in [*holders, *fetchers]}
-    peers: list[PeerSource] = []
-    index = order.index(engine_id)
-    while index > 0 and len(peers) < plan_size:
-        index = (index - 1) // fanout
-        parent = by_id[order[index]]
-        peers.append(
-            PeerSource(
-                engine_id=parent.engine_id, url=parent.url, applied_version=parent.applied_version
-            )
-        )
-    return FetchPlan(version=version, peers=peers)
+    orders = _Orders(
+        holders=sorted(e.engine_id for e in holders),
+        fetchers=sorted((_point(e.engine_id), e.engine_id) for e in fetchers),
+        by_id={e.engine_id: e for e in [*holders, *fetchers]},
+    )
+    if len(_ORDERS) >= _ORDERS_KEPT:
+        _ORDERS.pop(next(iter(_ORDERS)))
+    _ORDERS[key] = (snapshot, orders)
+    return orders

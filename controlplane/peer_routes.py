@@ -1,8 +1,9 @@
 """The control plane's routes for peer-assisted fetch (docs/peers.md).
 
-- `GET /v1/engines/{engine_id}/fetch-plan?version=V[&planning=true]` (engine role): the
-  peers this engine should ask for the files of version V, nearest first; the store comes
-  after them; with `planning`, V's claim and index when the plan names peers.
+- `GET /v1/engines/{engine_id}/fetch-plan?version=V[&planning=true][&lanes=true]` (engine
+  role): the peers this engine should ask for the files of version V, nearest first; the
+  store comes after them; with `planning`, V's claim and index when the plan names peers;
+  with `lanes`, the peers of each of the trees V's files are dealt out to.
 - `POST /v1/engines/{engine_id}/peer-reports` (engine role): a peer served bad bytes,
   failed or stalled; it is left out of plans for `peer_suspect_s` and counted.
 - `GET /v1/tokens/self` (any role): the caller's role, so an agent can check that a peer
@@ -47,7 +48,14 @@ def install(app: FastAPI, cp: Services, role: RoleDependency) -> None:
             )
         return str(rows[0].run_id)
 
-    @app.get("/v1/engines/{engine_id}/fetch-plan", response_model=FetchPlan, tags=["engines"])
+    @app.get(
+        "/v1/engines/{engine_id}/fetch-plan",
+        response_model=FetchPlan,
+        # Fields an agent did not ask for are left out, not sent as null: an older agent
+        # refuses a plan with a field it does not know.
+        response_model_exclude_none=True,
+        tags=["engines"],
+    )
     async def fetch_plan(
         engine_id: str,
         version: int = Query(ge=0, le=MAX_INT, description="the version being fetched"),
@@ -56,6 +64,11 @@ def install(app: FastAPI, cp: Services, role: RoleDependency) -> None:
             description="include the version's claim and index (`planning`) when the plan "
             "names peers; agents that check them ask, older agents (whose plan has no such "
             "field) do not",
+        ),
+        lanes: bool = Query(
+            False,
+            description="include `lanes` (one list of peers per tree; a version's files are "
+            "dealt out to them); older agents, which follow `peers` for every file, do not ask",
         ),
         _: Role = Depends(role(ENGINE)),
     ) -> FetchPlan:
@@ -70,13 +83,15 @@ def install(app: FastAPI, cp: Services, role: RoleDependency) -> None:
             plan_size=settings.peer_plan_size,
             suspects=cp.suspects.current(),
         )
+        if not lanes:
+            plan.lanes = None
         cp.metrics.fetch_plans.labels("yes" if plan.peers else "no").inc()
         run = cp.fleet.snapshot.runs.get(run_id)
         # Only with peers: an engine told to read the store (the tree's root, a lone
         # engine, peer fetch off) reads the claim and index there as it always did.
         if (
             planning
-            and plan.peers
+            and any(plan.lanes or [plan.peers])
             and run is not None
             and run.latest_version is not None
             and version <= run.latest_version

@@ -175,13 +175,13 @@ class ControlClient:
         return reply
 
     async def fetch_plan(self, engine_id: str, version: int) -> FetchPlan:
-        """The peers to fetch `version`'s files from, with the version's claim and index
-        when the control plane has them (docs/peers.md)."""
+        """The peers to fetch `version`'s files from, in lanes, with the version's claim and
+        index when the control plane has them (docs/peers.md)."""
         reply = await self._call(
             "GET",
             f"/v1/engines/{engine_id}/fetch-plan",
             FetchPlan,
-            params={"version": version, "planning": "true"},
+            params={"version": version, "planning": "true", "lanes": "true"},
         )
         assert reply is not None
         return reply

@@ -24,10 +24,10 @@ from engine_agent.errors import AgentError
 from engine_agent.status import AgentStatus, PassTimings
 from store.errors import CorruptPayload
 from store.relayed import RelayedVersion
-from store.sources import FetchSource, HttpSource, ObjectSource, SourcedFetch
+from store.sources import FetchSource, FoundSources, HttpSource, ObjectSource, SourcedFetch
 from store.sources.http import open_client
 from store.types import VersionRef
-from wire.peers import PEER_FILES_PATH, FetchPlan, PeerReport
+from wire.peers import PEER_FILES_PATH, FetchPlan, PeerReport, PeerSource
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,8 @@ class PeerFetch:
 
     async def sources(self, version: int) -> SourcedFetch:
         """The sources to try for `version`'s files, in order (possibly none)."""
-        return SourcedFetch(await self._find(version, await self._plan(version)))
+        found = await self._find(version, await self._plan(version))
+        return SourcedFetch(found.rest, lanes=found.lanes)
 
     def begin(self, version: int) -> SourcedFetch:
         """`sources` without waiting: the fetch plan is asked for while the pass plans its
@@ -118,7 +119,7 @@ class PeerFetch:
 
     async def _find_after(
         self, version: int, plan: asyncio.Task[FetchPlan | None]
-    ) -> list[FetchSource]:
+    ) -> FoundSources:
         return await self._find(version, await asyncio.shield(plan))
 
     async def _plan(self, version: int) -> FetchPlan | None:
@@ -138,33 +139,39 @@ class PeerFetch:
             log.info("no fetch plan for v%d (%s); fetching from the store", version, exc)
             return None
 
-    async def _find(self, version: int, plan: FetchPlan | None) -> list[FetchSource]:
-        found: list[FetchSource] = []
+    async def _find(self, version: int, plan: FetchPlan | None) -> FoundSources:
+        found = FoundSources()
         if self.client is None:
             self.client = await asyncio.to_thread(open_client)
         if plan is not None:
-            found += [
-                HttpSource(
-                    peer.url + PEER_FILES_PATH,
-                    token=self.token,
-                    kind="peer",
-                    wait_s=self.wait_s,
-                    stall_s=self.stall_s,
-                    client=self.client,
-                )
-                for peer in plan.peers
-                if peer.url != self.own_url
-            ]
-            if plan.peers:
+            found.lanes = self._lanes(plan.lanes or [plan.peers])
+            if any(found.lanes):
                 log.info(
                     "v%d: fetch plan %s, then the store",
                     version,
-                    [peer.url for peer in plan.peers],
+                    [[source.location for source in lane] for lane in found.lanes],
                 )
-        found += [
+        found.rest = [
             open_source(url, stall_s=self.stall_s, client=self.client) for url in self.configured
         ]
         return found
+
+    def _lanes(self, lanes: list[list[PeerSource]]) -> list[list[FetchSource]]:
+        """One source per peer, however many lanes name it (a peer dropped for bad bytes in
+        one lane is dropped in all)."""
+        by_url: dict[str, FetchSource] = {}
+        for lane in lanes:
+            for peer in lane:
+                if peer.url != self.own_url and peer.url not in by_url:
+                    by_url[peer.url] = HttpSource(
+                        peer.url + PEER_FILES_PATH,
+                        token=self.token,
+                        kind="peer",
+                        wait_s=self.wait_s,
+                        stall_s=self.stall_s,
+                        client=self.client,
+                    )
+        return [[by_url[p.url] for p in lane if p.url in by_url] for lane in lanes]
 
     async def finished(self, sourced: SourcedFetch, timings: PassTimings) -> None:
         """Count the pass's bytes by source and report the peers that misbehaved."""

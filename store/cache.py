@@ -16,6 +16,7 @@ never writes to the store.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import struct
@@ -188,9 +189,13 @@ class VersionFiles(Mapping[str, bytes]):
         self.sources = sources
         # Only files whose digest the store recorded may come from another source.
         self.digests = dict(digests or {})
+        # Each file's place among those the claim records: every engine deals the same file
+        # to the same lane of its fetch plan.
+        self._place = {name: i for i, name in enumerate(sorted(self.digests))}
         self._memo: dict[str, bytes] = {}
         # Bytes read from the origin store (other sources count theirs in `sources`).
         self.bytes_fetched = 0
+        self._lock = threading.Lock()
 
     def __getitem__(self, name: str) -> bytes:
         if name not in self.sizes:
@@ -236,7 +241,7 @@ class VersionFiles(Mapping[str, bytes]):
         self, key: str, name: str, expected: FileDigest | None, attempts: Attempts | None
     ) -> bytes:
         if self.sources is not None and expected is not None:
-            data = self.sources.fetch(key, expected, attempts)
+            data = self.sources.fetch(key, expected, attempts, lane=self._place[name])
             if data is not None:
                 return data
         try:
@@ -253,7 +258,8 @@ class VersionFiles(Mapping[str, bytes]):
             )
         if attempts is not None:
             attempts.settle(data, expected)
-        self.bytes_fetched += len(data)
+        with self._lock:
+            self.bytes_fetched += len(data)
         if self.sources is not None:
             self.sources.count_origin(len(data))
         return data
@@ -293,9 +299,19 @@ class VersionFiles(Mapping[str, bytes]):
         self._keep(version_file_key(self.ref, name), data)
 
     def fetch_all(self) -> int:
-        """Fetch every file now and hold it in memory; return the bytes held."""
-        for name in self.sizes:
-            self._memo[name] = self[name]
+        """Fetch every file now and hold it in memory; return the bytes held. With a fetch
+        plan of several lanes, that many files are fetched at once (each from its lane's
+        parent, each parent's upload shared by its children)."""
+        lanes = self.sources.lanes if self.sources is not None and self.digests else 0
+        # In lane order (each worker's next file from another parent than the others').
+        names = sorted(self.sizes, key=lambda name: self._place.get(name, len(self._place)))
+        if lanes > 1 and len(names) > 1:
+            with concurrent.futures.ThreadPoolExecutor(min(lanes, len(names))) as pool:
+                for name, data in zip(names, pool.map(self.__getitem__, names), strict=True):
+                    self._memo[name] = data
+        else:
+            for name in names:
+                self._memo[name] = self[name]
         return sum(len(data) for data in self._memo.values())
 
     def __iter__(self) -> Iterator[str]:

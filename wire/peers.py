@@ -43,11 +43,19 @@ class FetchPlan(TetherModel):
     """Where an engine catching up to `version` gets its files: `peers` in order, then the
     store (always last, always there). An empty list means: the store only. `planning`:
     the version's claim and index when the plan names peers and the control plane has
-    them (absent: read them from the store)."""
+    them (absent: read them from the store).
+
+    `lanes` (only for an agent that asks for them): the engine's ancestors in `len(lanes)`
+    trees over the same engines, each nearest first. File *i* of a version (its place among
+    the files the version's claim records, sorted by name) is asked of `lanes[i %
+    len(lanes)]` only, then of the store, so every engine uploads about as much as it
+    downloads and receives its files from several parents at once. `peers` is `lanes[0]`
+    (what an agent that does not know lanes follows for every file)."""
 
     version: int
     peers: list[PeerSource] = Field(default_factory=list)
     planning: PlanningFiles | None = None
+    lanes: list[list[PeerSource]] | None = None
 
 
 class PeerReport(TetherModel):

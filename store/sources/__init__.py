@@ -9,11 +9,12 @@ accepts bytes only when they match the size and digest the store recorded for th
 from store.sources.base import FetchSource, SourceFailed
 from store.sources.http import HttpSource
 from store.sources.objects import ObjectSource
-from store.sources.sourced_fetch import FileDigest, SourcedFetch, SourceFault
+from store.sources.sourced_fetch import FileDigest, FoundSources, SourcedFetch, SourceFault
 
 __all__ = [
     "FetchSource",
     "FileDigest",
+    "FoundSources",
     "HttpSource",
     "ObjectSource",
     "SourceFailed",

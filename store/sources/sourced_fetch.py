@@ -8,15 +8,20 @@ rest of this fetch and reported through `on_fault`; a miss (404) is not a fault.
 source delivers, the caller reads the origin as it always did. With `attempts` (the file is
 being passed on to peers while it arrives), each source writes its bytes there as they come
 and the attempt is released only once its bytes matched. Never writes anything.
+
+With lanes (peer fetch over several trees, `controlplane/fetch_plan.py`), a file is asked of
+its lane's sources, then of the sources of no lane (configured caches, mirrors). Files may
+be fetched from several threads at once.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
+import threading
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from store.checksum import tensor_checksum
@@ -58,6 +63,24 @@ class Attempts(Protocol):
         """The attempt's bytes matched the origin's record: readers may finish."""
 
 
+@dataclass
+class FoundSources:
+    """Where one fetch's files may come from, before the origin: the sources of each lane
+    (nearest first; a file goes to lane `i % len(lanes)`) and those every file may try
+    after its lane's."""
+
+    lanes: list[list[FetchSource]] = field(default_factory=list)
+    rest: list[FetchSource] = field(default_factory=list)
+
+    def in_order(self) -> list[FetchSource]:
+        """Every source once: the lanes' in lane order, then the rest."""
+        seen: list[FetchSource] = []
+        for source in [*(s for lane in self.lanes for s in lane), *self.rest]:
+            if source not in seen:
+                seen.append(source)
+        return seen
+
+
 class SourcedFetch:
     """Tries `sources` in order for each file; keeps using those that behave."""
 
@@ -65,10 +88,13 @@ class SourcedFetch:
         self,
         sources: Iterable[FetchSource],
         on_fault: Callable[[SourceFault], None] | None = None,
-        first: concurrent.futures.Future[list[FetchSource]] | None = None,
+        first: concurrent.futures.Future[FoundSources] | None = None,
         first_wait_s: float = 30.0,
+        lanes: list[list[FetchSource]] | None = None,
     ) -> None:
-        self._sources = list(sources)
+        found = FoundSources(lanes=list(lanes or []), rest=list(sources))
+        self._sources = found.in_order()
+        self._lanes = found.lanes
         # Sources to try before `sources`, still being found (a fetch plan being asked for
         # while the reader plans from the store); waited for at first use.
         self._first = first
@@ -79,28 +105,58 @@ class SourcedFetch:
         self.bytes_from: Counter[str] = Counter()
         # Bytes received and thrown away because they did not match the digest.
         self.bytes_rejected = 0
+        self._lock = threading.RLock()
 
     @property
     def sources(self) -> list[FetchSource]:
         """The sources still in use, in order. The first use waits (at most `first_wait_s`)
         for sources still being found: use it from a worker thread, never from the event
         loop that finds them."""
-        if self._first is not None:
-            first, self._first = self._first, None
-            try:
-                self._sources[:0] = first.result(timeout=self.first_wait_s)
-            except (TimeoutError, concurrent.futures.CancelledError):
-                first.cancel()
-                log.info("no fetch plan within %.0fs; reading the store", self.first_wait_s)
-            except Exception as exc:  # finding them failed: the store serves, as without
-                log.info("no fetch sources (%s: %s); reading the store", type(exc).__name__, exc)
-        return self._sources
+        with self._lock:
+            if self._first is not None:
+                first, self._first = self._first, None
+                try:
+                    found = first.result(timeout=self.first_wait_s)
+                except (TimeoutError, concurrent.futures.CancelledError):
+                    first.cancel()
+                    log.info("no fetch plan within %.0fs; reading the store", self.first_wait_s)
+                except Exception as exc:  # finding them failed: the store serves, as without
+                    log.info(
+                        "no fetch sources (%s: %s); reading the store", type(exc).__name__, exc
+                    )
+                else:
+                    self._lanes = found.lanes + self._lanes
+                    self._sources[:0] = [s for s in found.in_order() if s not in self._sources]
+            return self._sources
+
+    @property
+    def lanes(self) -> int:
+        """How many lanes the files are dealt out to (0: one order for every file)."""
+        self.sources  # noqa: B018 (the lanes are known once the sources are)
+        return len(self._lanes)
+
+    def order(self, lane: int | None = None) -> list[FetchSource]:
+        """The sources still in use for a file of lane `lane`: that lane's, then those of no
+        lane. Never another lane's: in its lane, a peer of this engine's plan may be a
+        descendant, waiting for this very file from this engine."""
+        with self._lock:
+            sources = list(self.sources)
+            if lane is None or not self._lanes:
+                return sources
+            in_lanes = {s for peers in self._lanes for s in peers}
+            mine = self._lanes[lane % len(self._lanes)]
+            return [s for s in sources if s in mine or s not in in_lanes]
 
     def fetch(
-        self, key: str, expected: FileDigest, attempts: Attempts | None = None
+        self,
+        key: str,
+        expected: FileDigest,
+        attempts: Attempts | None = None,
+        lane: int | None = None,
     ) -> bytes | None:
-        """The bytes of `key` from the first source that delivers them intact, or None."""
-        for source in list(self.sources):
+        """The bytes of `key` from the first source that delivers them intact, or None.
+        `lane`: the file's place among the version's files (its lane's sources go first)."""
+        for source in self.order(lane):
             sink = attempts.sink() if attempts is not None else None
             try:
                 data = source.fetch(key, expected.size, sink)
@@ -111,18 +167,20 @@ class SourcedFetch:
             except SourceFailed as exc:
                 if attempts is not None:
                     attempts.failed()
-                self._drop(source, key, exc.reason, str(exc))
+                self._drop(source, key, exc.reason, str(exc), keep=exc.reason == "unavailable")
                 continue
             fault = self._mismatch(source, key, data, expected)
             if fault is not None:
                 if attempts is not None:
                     attempts.failed()
-                self.bytes_rejected += len(data)
+                with self._lock:
+                    self.bytes_rejected += len(data)
                 self._drop(source, key, *fault)
                 continue
             if attempts is not None:
                 attempts.verified()
-            self.bytes_from[source.kind] += len(data)
+            with self._lock:
+                self.bytes_from[source.kind] += len(data)
             return data
         return None
 
@@ -146,21 +204,33 @@ class SourcedFetch:
 
     def count_origin(self, size: int) -> None:
         """Bytes the reader took from the origin store (when no source delivered)."""
-        self.bytes_from["store"] += size
+        with self._lock:
+            self.bytes_from["store"] += size
 
-    def _drop(self, source: FetchSource, key: str, reason: str, message: str) -> None:
-        if source in self.sources:
-            self.sources.remove(source)
+    def _drop(
+        self, source: FetchSource, key: str, reason: str, message: str, keep: bool = False
+    ) -> None:
+        """Record `source`'s fault on `key`; unless `keep`, stop using it for this fetch. A
+        source that is only unavailable for this file (busy, or a peer whose own source of it
+        failed) is kept for the others: dropping a parent for every file it would serve
+        sends them all to the store."""
         fault = SourceFault(source, key, reason, message)
-        self.faults.append(fault)
-        log.warning("dropped fetch source %s (%s): %s", source.location, reason, message)
+        with self._lock:
+            if source in self.sources and not keep:
+                self.sources.remove(source)
+            self.faults.append(fault)
+        log.warning(
+            "%s fetch source %s (%s): %s",
+            "skipped" if keep else "dropped",
+            source.location,
+            reason,
+            message,
+        )
         if self.on_fault is not None:
             self.on_fault(fault)
 
     def close(self) -> None:
         if self._first is not None:
             self._first.cancel()
-        for source in self._sources:
+        for source in {*self._sources, *(fault.source for fault in self.faults)}:
             source.close()
-        for fault in self.faults:
-            fault.source.close()

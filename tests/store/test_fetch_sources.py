@@ -32,8 +32,8 @@ def origin(tmp_path: Path) -> tuple[Store, dict]:
     return store, history
 
 
-def mirror_of(origin: Store, tmp_path: Path) -> Path:
-    mirror = tmp_path / "mirror"
+def mirror_of(origin: Store, tmp_path: Path, name: str = "mirror") -> Path:
+    mirror = tmp_path / name
     shutil.copytree(origin.url.removeprefix("file://"), mirror)
     return mirror
 
@@ -160,3 +160,32 @@ def test_opening_an_http_source_loads_no_certificates_and_leaves_a_shared_client
     assert not shared.is_closed
     assert own._client.is_closed
     shared.close()
+
+
+def test_each_file_is_asked_of_its_lanes_source_first_and_files_arrive_side_by_side(
+    origin: tuple[Store, dict], tmp_path: Path, http_mirror: str
+) -> None:
+    # Peer fetch over two trees: a version's files are dealt out to the lanes by their place
+    # among the files the claim records, so each engine takes half its files from each parent.
+    store, history = origin
+    mirror = ObjectSource.open(str(mirror_of(store, tmp_path, "second-mirror")))
+    http = HttpSource(http_mirror)
+    sourced = SourcedFetch([], lanes=[[mirror], [http]])
+    assert same_tensors(store.materialize(RUN, 2, sources=sourced), history[2])
+    expected = {"objects": 0, "http": 0}
+    for version in (0, 1, 2):
+        for place, (_, digest) in enumerate(
+            sorted(store.file_digests(VersionRef(RUN, version)).items())
+        ):
+            expected["objects" if place % 2 == 0 else "http"] += digest.size
+    assert expected["http"] > 0
+    assert dict(sourced.bytes_from) == expected
+    assert sourced.faults == []
+    # A file is never asked of another lane's peers (there they may be its descendants,
+    # waiting for it from this engine); sources of no lane come after the lane's.
+    cache = ObjectSource.open(str(mirror_of(store, tmp_path, "cache")))
+    laned = SourcedFetch([cache], lanes=[[mirror], [http]])
+    assert laned.order(lane=0) == [mirror, cache]
+    assert laned.order(lane=3) == [http, cache]
+    laned._drop(http, "k", "error", "gone")
+    assert laned.order(lane=1) == [cache]
