@@ -117,9 +117,7 @@ class PeerFetch:
             return {}
         return {version: relayed}
 
-    async def _find_after(
-        self, version: int, plan: asyncio.Task[FetchPlan | None]
-    ) -> FoundSources:
+    async def _find_after(self, version: int, plan: asyncio.Task[FetchPlan | None]) -> FoundSources:
         return await self._find(version, await asyncio.shield(plan))
 
     async def _plan(self, version: int) -> FetchPlan | None:

@@ -3,6 +3,7 @@ over the peers that hold it, so the store serves each file about once per versio
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from collections.abc import Callable
@@ -48,9 +49,7 @@ def test_a_single_engine_fetches_from_the_store_only() -> None:
     assert plans(snap, 2, lane=1) == {"e0": []}
 
 
-def test_engines_catching_up_together_form_one_tree_per_lane_with_one_root_on_the_store() -> (
-    None
-):
+def test_engines_catching_up_together_form_one_tree_per_lane_with_one_root_on_the_store() -> None:
     ids = [f"e{i:02d}" for i in range(15)]
     snap = snapshot([engine(e, 1) for e in ids], latest=2)
     for lane in range(2):
@@ -58,11 +57,11 @@ def test_engines_catching_up_together_form_one_tree_per_lane_with_one_root_on_th
         roots = [e for e, peers in found.items() if not peers]
         assert len(roots) == 1  # the store serves each file once
         children: dict[str, int] = {}
-        for child, peers in found.items():
+        for peers in found.values():
             if peers:
                 children[peers[0]] = children.get(peers[0], 0) + 1
                 # Nearest first: each ancestor is its predecessor's parent.
-                for near, far in zip(peers, peers[1:], strict=False):
+                for near, far in itertools.pairwise(peers):
                     assert found[near][0] == far
         assert max(children.values()) <= 2  # the fan-out bounds each peer's uploads
         # Every chain ends at the root within log2(15) levels.
@@ -100,18 +99,18 @@ def test_parents_come_before_their_children_whoever_else_the_snapshot_holds() ->
         for snap in (early, late):
             for child, peers in plans(snap, 2, fanout=2, size=1, lane=lane).items():
                 edges.setdefault(child, set()).update(peers)
-        done: set[str] = set()
+        assert all(acyclic(edges, e, frozenset(), set()) for e in edges)
 
-        def acyclic(node: str, path: frozenset[str]) -> bool:
-            if node in path:
-                return False
-            if node in done:
-                return True
-            ok = all(acyclic(p, path | {node}) for p in edges.get(node, ()))
-            done.add(node)
-            return ok
 
-        assert all(acyclic(e, frozenset()) for e in edges)
+def acyclic(edges: dict[str, set[str]], node: str, path: frozenset[str], done: set[str]) -> bool:
+    """No path from `node` along `edges` comes back to a node on it."""
+    if node in path:
+        return False
+    if node in done:
+        return True
+    ok = all(acyclic(edges, p, path | {node}, done) for p in edges.get(node, ()))
+    done.add(node)
+    return ok
 
 
 def test_engines_that_hold_the_version_come_before_those_still_fetching_it() -> None:
@@ -163,7 +162,9 @@ def test_a_plan_naming_peers_carries_the_claim_and_index_read_from_the_store_onc
 
     # An agent that does not ask (an older one) gets the plan it knows, without them.
     older = api.call("GET", f"/v1/engines/{fetcher}/fetch-plan?version=1", "engine").json()
-    assert older["peers"] and older["planning"] is None
+    assert older["peers"] and "planning" not in older and "lanes" not in older
+    laned = api.call("GET", f"/v1/engines/{fetcher}/fetch-plan?version=1&lanes=true", "engine")
+    assert laned.json()["lanes"][0] == older["peers"] and len(laned.json()["lanes"]) == 2
     first = plan()
     assert [p["engine_id"] for p in first["peers"]] == [holder]
     assert first["planning"] == {"claim": claim, "index": index}
@@ -188,9 +189,9 @@ def test_a_plan_without_peers_or_for_an_unpublished_version_carries_no_planning_
     api.settle()
     reply = api.call("GET", f"/v1/engines/{alone}/fetch-plan?version=1&planning=true", "engine")
     reply = reply.json()
-    assert reply["peers"] == [] and reply["planning"] is None
+    assert reply["peers"] == [] and reply.get("planning") is None
     api.register("lone", 1)
     api.settle()
     ahead = api.call("GET", f"/v1/engines/{alone}/fetch-plan?version=2&planning=1", "engine")
     ahead = ahead.json()
-    assert ahead["planning"] is None
+    assert ahead.get("planning") is None
