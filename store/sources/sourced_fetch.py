@@ -106,6 +106,9 @@ class SourcedFetch:
         # Bytes received and thrown away because they did not match the digest.
         self.bytes_rejected = 0
         self._lock = threading.RLock()
+        # Sources that were once unavailable for a file in this fetch (kept for the others
+        # until it happens again).
+        self._unavailable: set[FetchSource] = set()
 
     @property
     def sources(self) -> list[FetchSource]:
@@ -167,7 +170,7 @@ class SourcedFetch:
             except SourceFailed as exc:
                 if attempts is not None:
                     attempts.failed()
-                self._drop(source, key, exc.reason, str(exc), keep=exc.reason == "unavailable")
+                self._drop(source, key, exc.reason, str(exc), keep=self._first_miss(source, exc))
                 continue
             fault = self._mismatch(source, key, data, expected)
             if fault is not None:
@@ -206,6 +209,18 @@ class SourcedFetch:
         """Bytes the reader took from the origin store (when no source delivered)."""
         with self._lock:
             self.bytes_from["store"] += size
+
+    def _first_miss(self, source: FetchSource, exc: SourceFailed) -> bool:
+        """Whether `source` stays in use after `exc`: only the first time in this fetch that
+        it is unavailable for a file (a parent whose own source of one file failed may serve
+        the others; one that fails twice is most likely overloaded, and retrying it for
+        every file costs each of them a wait)."""
+        if exc.reason != "unavailable":
+            return False
+        with self._lock:
+            first = source not in self._unavailable
+            self._unavailable.add(source)
+        return first
 
     def _drop(
         self, source: FetchSource, key: str, reason: str, message: str, keep: bool = False

@@ -189,3 +189,40 @@ def test_each_file_is_asked_of_its_lanes_source_first_and_files_arrive_side_by_s
     assert laned.order(lane=3) == [http, cache]
     laned._drop(http, "k", "error", "gone")
     assert laned.order(lane=1) == [cache]
+
+
+def test_a_source_unavailable_for_one_file_is_kept_for_the_others_once(
+    origin: tuple[Store, dict],
+) -> None:
+    # A busy peer (503) may serve the next file; a second time in the same fetch it is
+    # dropped like any failing source.
+    store, _ = origin
+
+    class Busy(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(503)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Busy)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        busy = HttpSource(f"http://127.0.0.1:{server.server_address[1]}")
+        ref = VersionRef(RUN, 1)
+        digests = store.file_digests(ref)
+        names = sorted(digests)
+        sourced = SourcedFetch([busy])
+        assert sourced.fetch(version_file_key(ref, names[0]), digests[names[0]]) is None
+        assert sourced.sources == [busy]
+        assert sourced.fetch(version_file_key(ref, names[1]), digests[names[1]]) is None
+        assert sourced.sources == []
+        assert [f.reason for f in sourced.faults] == ["unavailable", "unavailable"]
+        sourced.close()
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
