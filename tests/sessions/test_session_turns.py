@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from tests.fixtures.processes import wait_until
-from tests.sessions.conftest import RUN, SessionFleet
+from tests.sessions.conftest import DEADLINE_S, RUN, SessionFleet
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
@@ -324,8 +324,14 @@ def test_a_session_moves_to_another_engine_only_when_its_engine_fails(
     messages: list[dict[str, Any]] = [{"role": "user", "content": "what is 6 plus 1"}]
     answer = fleet.chat(sid, messages)
     home = answer["tether"]["engine_id"]
-    urls = {engine_id: url for url, engine_id in fleet.engine_ids().items()}
-    failing = next(a for a in fleet.agents if a.url == urls[home])
+    # The listing holds only engines whose lease is current; on a loaded machine a heartbeat
+    # can come later than the 5 s lease, so the home engine is looked up until it is listed.
+    url = wait_until(
+        lambda: {i: u for u, i in fleet.engine_ids().items()}.get(home),
+        DEADLINE_S,
+        f"engine {home} listed with a current lease",
+    )
+    failing = next(a for a in fleet.agents if a.url == url)
     # Killed: still leased and registered, but nobody answers at its URL any more.
     failing.kill()
 
