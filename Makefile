@@ -83,7 +83,7 @@ test: $(STAMP) $(CHECKOV) $(VLLM_STAMP) $(MEGATRON_STAMP)
 		|| (apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus) \
 		|| echo "warning: could not install prometheus; alert rules get the shape check only"
 	$(MAKE) lint
-	TETHER_BROWSER_TESTS=required $(BIN)/pytest -q
+	TETHER_BROWSER_TESTS=required $(BIN)/pytest -q --durations=30
 
 # The same three checks run as pre-commit hooks (.pre-commit-config.yaml):
 # `.venv/bin/pre-commit install` once per clone.

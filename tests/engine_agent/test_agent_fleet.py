@@ -169,8 +169,8 @@ def test_catch_up_across_full_and_delta_versions_matches_the_published_bytes(
 
 def test_agent_registers_again_when_the_control_plane_forgets_it(fleet: Fleet) -> None:
     agent = fleet.agents["fp8"]
-    before = fleet.cp.engine(RUN, agent.url)
-    assert before is not None
+    # Listed only while its 5 s lease is current: a heartbeat can come late on a busy machine.
+    before = wait_until(lambda: fleet.cp.engine(RUN, agent.url), CATCH_UP_S, "the fp8 agent")
     gone = fleet.cp.call("DELETE", f"/v1/engines/{before['engine_id']}", "engine")
     assert gone.status_code == 204
 

@@ -28,11 +28,16 @@ def planning_files(store: Store, ref: VersionRef) -> tuple[bytes, bytes]:
     )
 
 
+def recorded_store(tmp_path: Path) -> tuple[ReadsRecorded, Store]:
+    """A folder store whose object reads are recorded."""
+    objects = ReadsRecorded(tmp_path / "store")
+    return objects, Store(str(tmp_path / "store"), objects=objects)
+
+
 def test_a_catch_up_with_the_relayed_claim_and_index_reads_neither_from_the_store(
     tmp_path: Path,
 ) -> None:
-    objects = ReadsRecorded(tmp_path / "store")
-    store = Store(str(tmp_path / "store"), objects=objects)
+    objects, store = recorded_store(tmp_path)
     history = publish_chain(store, RUN, "FDD")
     target = VersionRef(RUN, 2)
     relayed = RelayedVersion.check(target, *planning_files(store, target))
@@ -55,8 +60,7 @@ def test_a_catch_up_with_the_relayed_claim_and_index_reads_neither_from_the_stor
 def test_without_a_relayed_copy_the_catch_up_reads_the_claim_and_index_from_the_store(
     tmp_path: Path,
 ) -> None:
-    objects = ReadsRecorded(tmp_path / "store")
-    store = Store(str(tmp_path / "store"), objects=objects)
+    objects, store = recorded_store(tmp_path)
     history = publish_chain(store, RUN, "FD")
     objects.read.clear()
     result = store.materialize(RUN, 1, base=history[0], have=0)
