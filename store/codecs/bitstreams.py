@@ -61,6 +61,9 @@ def rice_decode(
 
 def write_varint(value: int, out: bytearray) -> None:
     """Append `value` (≥ 0) as LEB128: 7 bits per byte, high bit = more bytes follow."""
+    if value < 0x80:  # most header fields: one byte, without the loop
+        out.append(value)
+        return
     while True:
         byte = value & 0x7F
         value >>= 7
@@ -73,6 +76,12 @@ def write_varint(value: int, out: bytearray) -> None:
 
 def read_varint(data: bytes | memoryview, offset: int, what: str) -> tuple[int, int]:
     """The LEB128 integer at `offset` and the offset after it."""
+    try:
+        first = data[offset]
+    except IndexError:
+        raise CorruptPayload(f"{what} is truncated inside a varint") from None
+    if first < 0x80 and offset >= 0:  # most header fields: one byte, without the loop
+        return first, offset + 1
     value = shift = 0
     while True:
         if offset >= len(data):

@@ -32,7 +32,13 @@ from llvmlite import ir
 from numba.core import types
 from numba.extending import intrinsic
 
-from store.codecs.sparse_kernels import leading_zeros, popcount, trailing_zeros
+from store.codecs.sparse_kernels import (
+    leading_zeros,
+    popcount,
+    rice_pack,
+    rice_parameter,
+    trailing_zeros,
+)
 
 _jit = numba.njit(cache=True, nogil=True)
 
@@ -303,16 +309,70 @@ def _append_bits_py(out: np.ndarray, at: int, src: np.ndarray, count: int) -> in
     return at + count
 
 
-def _append_runs_py(
-    out: np.ndarray, src: np.ndarray, offsets: np.ndarray, counts: np.ndarray
+def _rice_classes_py(
+    gaps: np.ndarray, gap_at: np.ndarray, members: np.ndarray, r: np.ndarray, bits: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Every class's gaps (class c's at gaps[gap_at[c]:gap_at[c + 1]], counted among its
+    members[c] members) Rice-coded, and the classes' codes joined bit to bit, no padding
+    between: (low planes, unary codes). r[c] gets class c's Rice parameter (the one
+    `rice_parameter` picks, 0 for a class without events), bits[c] its unary bit count.
+    One call per block: per-class calls (parameter, pack, then a join) cost more than the
+    coding itself on small tensors."""
+    classes = gap_at.size - 1
+    low_bits = 0
+    unary_bits = 0
+    for c in range(classes):
+        count = gap_at[c + 1] - gap_at[c]
+        own = 0
+        total = np.int64(count)
+        if count:
+            own = rice_parameter(gaps[gap_at[c] : gap_at[c + 1]], members[c], 31)
+            shift = np.uint64(own)
+            for i in range(gap_at[c], gap_at[c + 1]):
+                total += np.int64(np.uint64(gaps[i]) >> shift)
+        r[c] = own
+        bits[c] = total
+        low_bits += own * count
+        unary_bits += total
+    low = np.zeros((low_bits + 7) // 8, np.uint8)
+    unary = np.zeros((unary_bits + 7) // 8, np.uint8)
+    low_at = 0
+    unary_at = 0
+    for c in range(classes):
+        count = gap_at[c + 1] - gap_at[c]
+        if count == 0:
+            continue
+        planes, codes, total = rice_pack(gaps[gap_at[c] : gap_at[c + 1]], r[c])
+        plane = (count + 7) // 8
+        for j in range(r[c]):
+            low_at = append_bits(low, low_at, planes[j * plane :], count)
+        unary_at = append_bits(unary, unary_at, codes, total)
+    return low, unary
+
+
+def _rice_classes_decode_py(
+    low: np.ndarray,
+    unary: np.ndarray,
+    unary_end: int,
+    r: np.ndarray,
+    gap_at: np.ndarray,
+    gaps: np.ndarray,
 ) -> int:
-    """`append_bits` of each run i (counts[i] bits of src from byte offsets[i]) in turn into
-    `out` from bit 0; returns the bits written. One call for every class's planes: a
-    kernel call per plane cost more than the planes on small tensors."""
-    at = 0
-    for i in range(offsets.size):
-        at = append_bits(out, at, src[offsets[i] :], counts[i])
-    return at
+    """Inverse of `rice_classes`: every class's gaps into gaps[gap_at[c]:gap_at[c + 1]]
+    (`rice_bits` class after class, each class's low planes right after the previous
+    class's). Returns the unary bit after the last code, or -1 if the codes run past
+    `unary_end`."""
+    low_at = 0
+    pos = 0
+    for c in range(r.size):
+        count = gap_at[c + 1] - gap_at[c]
+        if count == 0:
+            continue
+        pos = rice_bits(low, low_at, unary, pos, unary_end, r[c], gaps[gap_at[c] : gap_at[c + 1]])
+        if pos < 0:
+            return -1
+        low_at += r[c] * count
+    return pos
 
 
 def _class_members_py(
@@ -767,10 +827,11 @@ def _choose_classes_py(
 class_census = _jit(_class_census_py)
 class_events = _jit(_class_events_py)
 append_bits = _jit(_append_bits_py)
-append_runs = _jit(_append_runs_py)
 class_members = _jit(_class_members_py)
 apply_classes = _jit(_apply_classes_py)
 rice_bits = _jit(_rice_bits_py)
+rice_classes = _jit(_rice_classes_py)
+rice_classes_decode = _jit(_rice_classes_decode_py)
 key_counts = _jit(_key_counts_py)
 changed_key_counts = _jit(_changed_key_counts_py)
 choose_classes = _jit(_choose_classes_py)

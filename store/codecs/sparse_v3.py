@@ -28,13 +28,10 @@ import numpy as np
 from store.codecs.bitstreams import (
     read_varint,
     rice_decode,
-    rice_encode,
-    rice_parameter,
     write_varint,
 )
 from store.codecs.class_kernels import (
     OK,
-    append_runs,
     apply_classes,
     changed_key_counts,
     choose_classes,
@@ -43,7 +40,8 @@ from store.codecs.class_kernels import (
     class_members,
     h2_bits,
     key_counts,
-    rice_bits,
+    rice_classes,
+    rice_classes_decode,
 )
 from store.codecs.sparse import join_planes
 from store.codecs.sparse_kernels import change_mask, gather_changes
@@ -206,52 +204,21 @@ class SparseV3Codec(SparseV2Codec):
         head.append(shift)
         for below, at in pairwise(starts):
             write_varint((at - below) >> shift, head)
-        coded = []  # (r, events, low planes, unary stream, unary bits) per live class
-        fields = dict.fromkeys(range(len(starts)), 0)
-        for j, c in enumerate(live):
-            count = int(events[j])
-            class_gaps = gaps[gap_at[j] : gap_at[j + 1]]
-            r = rice_parameter(class_gaps, int(members[j])) if count else 0
-            if count:
-                coded.append((r, count, *rice_encode(class_gaps, r)))
-            # Rice r in the low 5 bits, the complement flag, then the event count; no unary
-            # bit count per class: a class's codes end at its events-th one bit.
-            fields[c] = count << 6 | int(complement[j]) << 5 | r
-        for c in range(len(starts)):
-            write_varint(fields[c], head)
-        # The classes' low planes and unary codes joined bit to bit, no padding between.
-        low_bits = sum(r * count for r, count, *_ in coded)
-        unary_bits = sum(bits for *_, bits in coded)
-        low = np.zeros(-(-low_bits // 8), np.uint8)
-        unary = np.zeros(-(-unary_bits // 8), np.uint8)
-        if coded:
-            # Every class's planes (r of ceil(count / 8) bytes each) and unary codes, each
-            # joined in one kernel call from one concatenated source.
-            plane_at: list[int] = []
-            plane_bits: list[int] = []
-            code_at: list[int] = []
-            code_bits: list[int] = []
-            planes_seen = codes_seen = 0
-            for r, count, planes, codes, bits in coded:
-                plane = -(-count // 8)
-                plane_at += range(planes_seen, planes_seen + r * plane, plane)
-                plane_bits += [count] * r
-                planes_seen += planes.size
-                code_at.append(codes_seen)
-                code_bits.append(bits)
-                codes_seen += codes.size
-            append_runs(
-                low,
-                np.concatenate([planes for _, _, planes, _, _ in coded]),
-                np.array(plane_at, np.int64),
-                np.array(plane_bits, np.int64),
-            )
-            append_runs(
-                unary,
-                np.concatenate([codes for _, _, _, codes, _ in coded]),
-                np.array(code_at, np.int64),
-                np.array(code_bits, np.int64),
-            )
+        r = np.empty(len(live), np.int64)
+        unary_bits_of = np.empty(len(live), np.int64)
+        # Every live class's gaps Rice-coded and joined bit to bit, no padding between, in
+        # one kernel call.
+        low, unary = rice_classes(gaps, gap_at, members, r, unary_bits_of)
+        fields = [0] * len(starts)
+        # Rice r in the low 5 bits, the complement flag, then the event count; no unary
+        # bit count per class: a class's codes end at its events-th one bit.
+        for c, count, flip, rice in zip(
+            live, events.tolist(), complement.tolist(), r.tolist(), strict=True
+        ):
+            fields[c] = count << 6 | flip << 5 | rice
+        for field in fields:
+            write_varint(field, head)
+        unary_bits = int(unary_bits_of.sum())
         write_varint(unary_bits, head)
         mode, value_fields, value_streams = self._value_part(new_values, old_values)
         head.append(mode)
@@ -314,20 +281,22 @@ class SparseV3Codec(SparseV2Codec):
         gaps = np.empty(total_events, np.uint64)
         live: list[tuple[int, int, bool]] = []  # (lo, width, complement) of classes with changes
         counts: list[int] = []  # their changes; -1 for a complement class, settled below
+        rice: list[int] = []
         gap_at = [0]
-        low_at = unary_at = 0
         for lo, width, events, complement, r in classes:
             if not events and not complement:
                 continue
-            if events:
-                own = gaps[gap_at[-1] : gap_at[-1] + events]
-                unary_at = rice_bits(streams[0], low_at, streams[1], unary_at, unary_bits, r, own)
-                if unary_at < 0:
-                    raise CorruptPayload(f"{what}: its unary stream ends inside a class's codes")
-                low_at += r * events
             live.append((lo, width, complement))
             counts.append(-1 if complement else events)
+            rice.append(r)
             gap_at.append(gap_at[-1] + events)
+        # Every class's gaps in one kernel call, each class's codes right after the last's.
+        gap_at_of = np.array(gap_at, np.int64)
+        unary_at = rice_classes_decode(
+            streams[0], streams[1], unary_bits, np.array(rice, np.int64), gap_at_of, gaps
+        )
+        if unary_at < 0:
+            raise CorruptPayload(f"{what}: its unary stream ends inside a class's codes")
         if unary_at != unary_bits:
             raise CorruptPayload(f"{what}: its unary stream holds more than its classes' codes")
         keymask_of = np.array([keymask], bits.dtype)
@@ -343,7 +312,7 @@ class SparseV3Codec(SparseV2Codec):
             width_of,
             np.array([c for _, _, c in live], np.bool_),
             gaps,
-            np.array(gap_at, np.int64),
+            gap_at_of,
             value_at,
             values,
             streams[2:],
