@@ -221,9 +221,15 @@ def _class_census_py(
     masks: np.ndarray,
     members: np.ndarray,
     hits: np.ndarray,
+    complement: np.ndarray,
+    gap_at: np.ndarray,
+    value_at: np.ndarray,
 ) -> None:
     """The encoder's classification pass: masks[c] = class c's member mask over the block
-    (`changed`'s layout), members[c] its member count, hits[c] its changed members."""
+    (`changed`'s layout), members[c] its member count, hits[c] its changed members, and
+    from those the layout `class_events` writes in: complement[c] where class c codes its
+    unchanged members (fewer than its changed ones: the same walk, fewer events), gap_at
+    and value_at (size classes + 1) where each class's gaps and values start."""
     scratch = np.empty((lo.size, CHUNK // 64), np.uint64)
     for c in range(lo.size):
         members[c] = 0
@@ -241,6 +247,13 @@ def _class_census_py(
                 hit += popcount(m & changed[first + w])
             members[c] += count
             hits[c] += hit
+    gap_at[0] = 0
+    value_at[0] = 0
+    for c in range(lo.size):
+        complement[c] = 2 * hits[c] > members[c]
+        events = members[c] - hits[c] if complement[c] else hits[c]
+        gap_at[c + 1] = gap_at[c] + events
+        value_at[c + 1] = value_at[c] + hits[c]
 
 
 def _class_events_py(
@@ -824,6 +837,44 @@ def _choose_classes_py(
     return best_c + 1, best_bits
 
 
+def _plan_block_py(
+    old: np.ndarray,
+    per_bin: np.ndarray,
+    keymask: int,
+    shift: int,
+    stride: int,
+    max_classes: int,
+    max_live: int,
+    live_bits: float,
+    class_bits: float,
+    starts: np.ndarray,
+) -> tuple[int, float, float]:
+    """The encoder's choice of classes for one block, in one call: elements per bin from
+    every `stride`-th base element (`key_counts`) scaled to the block, each bin holding at
+    least its changes (`per_bin`, counted exactly), then `choose_classes`. Returns (classes,
+    their estimated bits, the gaps form's n·H2(k/n)); `starts` gets each class's first bin.
+    The same arithmetic as the numpy it replaced, so the same choice."""
+    bins = per_bin.size
+    elements = np.zeros(bins, np.int64)
+    key_counts(old, keymask, shift, stride, elements)
+    total = 0
+    k = 0
+    for b in range(bins):
+        total += elements[b]
+        k += per_bin[b]
+    n = float(old.size)
+    scale = n / max(1, total)
+    estimated = np.empty(bins)
+    changes = np.empty(bins)
+    for b in range(bins):
+        changes[b] = float(per_bin[b])
+        estimated[b] = max(elements[b] * scale, changes[b])
+    count, bits = choose_classes(
+        estimated, changes, max_classes, max_live, live_bits, class_bits, starts
+    )
+    return count, bits, h2_bits(n, float(k))
+
+
 class_census = _jit(_class_census_py)
 class_events = _jit(_class_events_py)
 append_bits = _jit(_append_bits_py)
@@ -835,3 +886,4 @@ rice_classes_decode = _jit(_rice_classes_decode_py)
 key_counts = _jit(_key_counts_py)
 changed_key_counts = _jit(_changed_key_counts_py)
 choose_classes = _jit(_choose_classes_py)
+plan_block = _jit(_plan_block_py)

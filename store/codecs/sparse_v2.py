@@ -130,7 +130,7 @@ class SparseV2Codec:
 
     def _squeeze(self, raw: np.ndarray) -> tuple[int, bytes | memoryview]:
         """(kind, bytes) of one stream: all zero, a zstd frame, or raw, whichever is smallest."""
-        if not raw.any():
+        if not np.count_nonzero(raw):  # not `raw.any()`: 5x its cost on a small stream
             return STREAM_ZERO, b""
         if raw.size >= 32:
             frame = self._zstd.compressor.compress(raw.data)
@@ -257,13 +257,16 @@ class SparseV2Codec:
         self, block: memoryview, offset: int, sizes: list[int], what: str
     ) -> list[np.ndarray]:
         """The streams of a block whose descriptors start at `offset`, decoded and checked."""
-        packed = block[offset : offset + -(-len(sizes) // 4)]
-        offset += len(packed)
-        if len(packed) * 4 < len(sizes) or int.from_bytes(packed, "little") >> 2 * len(sizes):
+        count = len(sizes)
+        end = offset + -(-count // 4)
+        packed = int.from_bytes(block[offset:end], "little")
+        if end > len(block) or packed >> 2 * count:
             raise CorruptPayload(f"{what} has a truncated or invalid stream kinds field")
+        offset = end
         kinds, lengths = [], []
-        for j, size in enumerate(sizes):
-            kind = (packed[j // 4] >> (2 * (j % 4))) & 3
+        for size in sizes:
+            kind = packed & 3
+            packed >>= 2
             if kind == STREAM_ZSTD:
                 length, offset = read_varint(block, offset, what)
             else:
@@ -274,12 +277,12 @@ class SparseV2Codec:
             raise CorruptPayload(f"{what} is {len(block)} bytes, its stream table disagrees")
         streams = []
         for j, (kind, length, size) in enumerate(zip(kinds, lengths, sizes, strict=True)):
-            body = block[offset : offset + length]
-            offset += length
             if kind == STREAM_RAW:  # most streams: whole (the total checked above), as is
-                streams.append(np.frombuffer(body, dtype=np.uint8))
+                streams.append(np.frombuffer(block[offset : offset + length], dtype=np.uint8))
             else:
+                body = block[offset : offset + length]
                 streams.append(self._stream(kind, body, size, f"{what} stream {j}"))
+            offset += length
         return streams
 
     def _apply_block(

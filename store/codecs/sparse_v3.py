@@ -34,12 +34,10 @@ from store.codecs.class_kernels import (
     OK,
     apply_classes,
     changed_key_counts,
-    choose_classes,
     class_census,
     class_events,
     class_members,
-    h2_bits,
-    key_counts,
+    plan_block,
     rice_classes,
     rice_classes_decode,
 )
@@ -53,7 +51,7 @@ from store.codecs.sparse_v2 import (
     _ValueHeader,
 )
 from store.errors import CorruptPayload
-from store.tensors import RawTensor
+from store.tensors import ELEMENT_BITS, RawTensor
 
 TAG = 0x33  # "3"
 FORM_GAPS = 0  # a block's first byte: 0 = a sparse-v2 block follows, else its class count
@@ -70,6 +68,12 @@ _RICE_SLACK = 1.03  # Rice codes spend ~3 % over n·H2(k/n) at these densities
 _GAIN = 1.02  # try classes unless they are estimated this much larger (then keep the smaller)
 _SURE = 0.8  # ... and skip encoding the gaps form when they are estimated this much smaller
 _NO_INDEX = np.uint64(np.iinfo(np.uint64).max)  # STEP index sentinel: no change has it
+# What `apply_classes` reads where a block has no such stream (it never writes them): made
+# once, not per block, as small allocations are a block's fixed cost on small tensors.
+_NO_STEP_INDEX = np.full(1, _NO_INDEX, np.uint64)
+_NO_MAGNITUDE = np.zeros(1, np.uint64)
+_NO_SIGNS = np.empty(0, np.uint8)
+_NO_VALUES = {width: np.empty(0, bits) for width, bits in ELEMENT_BITS.items()}
 
 
 def _keymask(width: int) -> int:
@@ -134,26 +138,24 @@ class SparseV3Codec(SparseV2Codec):
         estimated to save bytes, else None. Elements per exponent come from a strided
         sample of the base, changes per exponent (`per_bin`) from the changed elements
         themselves."""
-        keymask = _keymask(old.dtype.itemsize)
-        elements = np.zeros(per_bin.size, np.int64)
-        key_counts(old, keymask, shift, max(1, old.size // _SAMPLE), elements)
-        n, k = float(old.size), float(per_bin.sum())
-        # Scaled to the block; a bin holds at least its changes.
-        estimated = np.maximum(elements * (n / max(1, int(elements.sum()))), per_bin)
-        gaps_bits = _RICE_SLACK * h2_bits(n, k)
+        n = float(old.size)
         starts = np.zeros(MAX_CLASSES, np.int64)
-        count, class_bits = choose_classes(
-            estimated,
-            per_bin.astype(np.float64),
+        count, class_bits, h2 = plan_block(
+            old,
+            per_bin,
+            _keymask(old.dtype.itemsize),
+            shift,
+            max(1, old.size // _SAMPLE),
             MAX_CLASSES,
             MAX_LIVE,
             _LIVE_HEADER_BITS + _LIVE_BITS_PER_ELEMENT * n,
             _CLASS_BITS,
             starts,
         )
+        gaps_bits = _RICE_SLACK * h2
         if count < 2 or _RICE_SLACK * class_bits >= _GAIN * gaps_bits:
             return None
-        return [int(s) << shift for s in starts[:count]], _RICE_SLACK * class_bits / gaps_bits
+        return [s << shift for s in starts[:count].tolist()], _RICE_SLACK * class_bits / gaps_bits
 
     def _encode_classes(
         self,
@@ -185,16 +187,29 @@ class SparseV3Codec(SparseV2Codec):
         lo = np.array([ranges[c][0] for c in live], new.dtype)
         width = np.array([ranges[c][1] for c in live], new.dtype)
         masks = np.empty((len(live), changed.size), np.uint64)
-        members = np.empty(len(live), np.int64)
-        hits = np.empty(len(live), np.int64)
-        class_census(old, changed, np.array([keymask], new.dtype), lo, width, masks, members, hits)
-        complement = 2 * hits > members  # code the unchanged ones: fewer, same walk
-        events = np.where(complement, members - hits, hits)
-        gap_at = np.zeros(len(live) + 1, np.int64)
-        np.cumsum(events, out=gap_at[1:])
-        value_at = np.zeros(len(live) + 1, np.int64)
-        np.cumsum(hits, out=value_at[1:])
-        gaps = np.empty(int(gap_at[-1]), np.uint32)
+        # Per live class: members, changed members, Rice parameter, unary bits; the
+        # complement flags (code the unchanged members: fewer, same walk); where each
+        # class's gaps and values start. Rows of two arrays: fewer allocations per block.
+        counts = np.empty((4, len(live)), np.int64)
+        members, hits, r, unary_bits_of = counts
+        complement = np.empty(len(live), np.bool_)
+        at = np.empty((2, len(live) + 1), np.int64)
+        gap_at, value_at = at
+        class_census(
+            old,
+            changed,
+            np.array([keymask], new.dtype),
+            lo,
+            width,
+            masks,
+            members,
+            hits,
+            complement,
+            gap_at,
+            value_at,
+        )
+        gap_ends = gap_at.tolist()
+        gaps = np.empty(gap_ends[-1], np.uint32)
         new_values, old_values = np.empty(k, new.dtype), np.empty(k, old.dtype)
         class_events(
             masks, changed, complement, gap_at, gaps, value_at, new, old, new_values, old_values
@@ -204,21 +219,19 @@ class SparseV3Codec(SparseV2Codec):
         head.append(shift)
         for below, at in pairwise(starts):
             write_varint((at - below) >> shift, head)
-        r = np.empty(len(live), np.int64)
-        unary_bits_of = np.empty(len(live), np.int64)
         # Every live class's gaps Rice-coded and joined bit to bit, no padding between, in
         # one kernel call.
         low, unary = rice_classes(gaps, gap_at, members, r, unary_bits_of)
         fields = [0] * len(starts)
         # Rice r in the low 5 bits, the complement flag, then the event count; no unary
         # bit count per class: a class's codes end at its events-th one bit.
-        for c, count, flip, rice in zip(
-            live, events.tolist(), complement.tolist(), r.tolist(), strict=True
+        for c, below, end, flip, rice in zip(
+            live, gap_ends[:-1], gap_ends[1:], complement.tolist(), r.tolist(), strict=True
         ):
-            fields[c] = count << 6 | flip << 5 | rice
+            fields[c] = (end - below) << 6 | flip << 5 | rice
         for field in fields:
             write_varint(field, head)
-        unary_bits = int(unary_bits_of.sum())
+        unary_bits = sum(unary_bits_of.tolist())
         write_varint(unary_bits, head)
         mode, value_fields, value_streams = self._value_part(new_values, old_values)
         head.append(mode)
@@ -257,7 +270,10 @@ class SparseV3Codec(SparseV2Codec):
             if not starts[-1] < lo <= keymask:
                 raise CorruptPayload(f"{what} has class thresholds out of order ({lo})")
             starts.append(lo)
-        classes = []  # (lo, width, events, complement, r)
+        live: list[tuple[int, int, bool]] = []  # (lo, width, complement) of classes with changes
+        counts: list[int] = []  # their changes; -1 for a complement class, settled below
+        rice: list[int] = []  # their Rice parameters
+        gap_at = [0]  # where their gaps start
         low_bits = total_events = unary_bound = 0
         for lo, width in _class_ranges(starts, keymask):
             field, offset = read_varint(block, offset, what)
@@ -267,7 +283,11 @@ class SparseV3Codec(SparseV2Codec):
             low_bits += r * events
             total_events += events
             unary_bound += bits.size >> r
-            classes.append((lo, width, events, complement, r))
+            if events or complement:
+                live.append((lo, width, complement))
+                counts.append(-1 if complement else events)
+                rice.append(r)
+                gap_at.append(gap_at[-1] + events)
         unary_bits, offset = read_varint(block, offset, what)
         _check_unary(unary_bits, total_events, unary_bound, what)
         if offset >= len(block):
@@ -279,17 +299,6 @@ class SparseV3Codec(SparseV2Codec):
         sizes = [-(-low_bits // 8), -(-unary_bits // 8)]
         streams = self._read_streams(block, offset, sizes + values.sizes, what)
         gaps = np.empty(total_events, np.uint64)
-        live: list[tuple[int, int, bool]] = []  # (lo, width, complement) of classes with changes
-        counts: list[int] = []  # their changes; -1 for a complement class, settled below
-        rice: list[int] = []
-        gap_at = [0]
-        for lo, width, events, complement, r in classes:
-            if not events and not complement:
-                continue
-            live.append((lo, width, complement))
-            counts.append(-1 if complement else events)
-            rice.append(r)
-            gap_at.append(gap_at[-1] + events)
         # Every class's gaps in one kernel call, each class's codes right after the last's.
         gap_at_of = np.array(gap_at, np.int64)
         unary_at = rice_classes_decode(
@@ -351,7 +360,7 @@ class SparseV3Codec(SparseV2Codec):
             last = open_[-1]
             counts[last] = 0
             counts[last] = changed - sum(counts)
-        if any(count < 0 for count in counts) or sum(counts) != changed:
+        if not counts or min(counts) < 0 or sum(counts) != changed:
             raise CorruptPayload(f"{what} declares {changed} changes but its classes hold others")
 
     def _apply_class_values(
@@ -372,13 +381,13 @@ class SparseV3Codec(SparseV2Codec):
         """Place every class's changes and patch their values (stored class by class, each
         class's in element order) in one pass (`apply_classes`); its error code."""
         width = bits.dtype.itemsize
-        values = np.empty(0, bits.dtype)
-        down = np.empty(0, np.uint8)
+        values = _NO_VALUES[width]
+        down = _NO_SIGNS
         # Each with one sentinel past its end (an index no change has), so the kernel
         # reads the next magnitude without a bounds test.
         no_index = _NO_INDEX
-        index = np.full(1, no_index, np.uint64)
-        magnitude = np.zeros(1, np.uint64)
+        index = _NO_STEP_INDEX
+        magnitude = _NO_MAGNITUDE
         if header.mode != VALUES_STEP:
             values = join_planes(streams, width)
         else:
