@@ -83,8 +83,9 @@ def read_varint(data: bytes | memoryview, offset: int, what: str) -> tuple[int, 
     if first < 0x80 and offset >= 0:  # most header fields: one byte, without the loop
         return first, offset + 1
     value = shift = 0
+    end = len(data)
     while True:
-        if offset >= len(data):
+        if offset >= end:
             raise CorruptPayload(f"{what} is truncated inside a varint")
         byte = data[offset]
         offset += 1
