@@ -9,7 +9,6 @@ so the hot path pays no extra task or buffering.
 
 from __future__ import annotations
 
-from prometheus_client import Counter
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from controlplane.errors import ApiError, BodyTooLarge, HeadersTooLarge, error_response
@@ -106,18 +105,12 @@ class BodyLimit:
 class RequestMetrics:
     def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
         self.app = app
-        self.metrics = metrics
-        # The labelled child per (route, status): `labels()` validates and locks on every
-        # call, a dict lookup does not. Bounded by routes x statuses.
-        self._children: dict[tuple[str, int], Counter] = {}
+        # A loop tally (`LoopCounter`), keyed (route, status); bounded by routes x statuses.
+        self._counts = metrics.requests.counts
 
     def count(self, template: str, status: int) -> None:
         """Count one answered request (also called by the hot lane's own exchange)."""
-        child = self._children.get((template, status))
-        if child is None:
-            child = self.metrics.requests.labels(template, str(status))
-            self._children[(template, status)] = child
-        child.inc()
+        self._counts[(template, status)] += 1
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

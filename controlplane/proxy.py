@@ -394,7 +394,7 @@ def _stamp(engine: EngineView, answer: Answer) -> Response:
             body = None
         if isinstance(body, dict):
             body["engine_id"] = engine.engine_id
-            body["precision"] = engine.precision.value
+            body["precision"] = engine.precision  # a StrEnum: orjson writes its value
             start, end = body.get("weight_version_start"), body.get("weight_version_end")
             if start is not None:
                 raw.append((VERSION_START_RAW, str(start).encode()))

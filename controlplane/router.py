@@ -114,6 +114,8 @@ def _by_load(
     now: float,
     rng: random.Random,
 ) -> EngineView | None:
+    if len(spans) == 1:
+        return _by_load_in(spans[0], exclude, local_in_flight, now, rng)
     sizes = [hi - lo for _, lo, hi in spans]
     total = sum(sizes)
 
@@ -138,6 +140,39 @@ def _by_load(
         chosen = [e for e in (at(k) for k in range(total)) if _usable(e, now, exclude)]
         if not chosen:
             return None
+    return min(chosen, key=lambda e: _load(e, local_in_flight))
+
+
+def _by_load_in(
+    span: Span,
+    exclude: Collection[str],
+    local_in_flight: Mapping[str, int],
+    now: float,
+    rng: random.Random,
+) -> EngineView | None:
+    """`_by_load` over one span (one run and precision: the usual request), with the same
+    draws and the same choice, without its closure, lists and key function."""
+    group, lo, hi = span
+    engines, total = group.engines, hi - lo
+    first = int(rng.random() * total)
+    one = engines[lo + first]
+    if total > 1:
+        second = int(rng.random() * (total - 1))
+        two = engines[lo + (second + 1 if second >= first else second)]
+        if _usable(one, now, exclude):
+            if not _usable(two, now, exclude):
+                return one
+            # `min` keeps the first of equals: the second draw wins only when less loaded.
+            if _load(two, local_in_flight) < _load(one, local_in_flight):
+                return two
+            return one
+        if _usable(two, now, exclude):
+            return two
+    elif _usable(one, now, exclude):
+        return one
+    chosen = [e for e in engines[lo:hi] if _usable(e, now, exclude)]
+    if not chosen:
+        return None
     return min(chosen, key=lambda e: _load(e, local_in_flight))
 
 

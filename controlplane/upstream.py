@@ -39,9 +39,13 @@ class UpstreamTimeout(UpstreamError):
     """The engine did not connect, or went silent, within the configured time."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Origin:
-    """Where an engine URL's requests go: the pool key, and the path prefix to put first."""
+    """Where an engine URL's requests go: the pool key, and the path prefix to put first.
+
+    Compared by identity: `Upstream` keeps one per URL, and a dataclass's field-wise hash
+    is a Python call on each of a request's three pool and head lookups.
+    """
 
     scheme: str
     host: str
@@ -160,7 +164,7 @@ class _Connection(asyncio.Protocol):
         # Instead of `waiter`: told the outcome as soon as it is known (`start`).
         self.on_done: Callable[[Answer | UpstreamError], None] | None = None
         self.answer: Answer | None = None
-        self.header_pairs: list[tuple[bytes, bytes]] = []
+        self.headers: dict[str, str] = {}
         self.received = False
         self.body_parts: list[bytes] = []
         self.until_close = False
@@ -210,11 +214,10 @@ class _Connection(asyncio.Protocol):
     # httptools callbacks ----------------------------------------------------------------
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.header_pairs.append((name, value))
+        self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
-        headers = {name.decode("latin-1").lower(): value.decode("latin-1")
-                   for name, value in self.header_pairs}  # fmt: skip
+        headers = self.headers
         status = self.parser.get_status_code()
         self.until_close = (
             "content-length" not in headers
@@ -257,7 +260,7 @@ class _Connection(asyncio.Protocol):
         assert self.transport is not None
         self.stream = stream
         self.answer = None
-        self.header_pairs = []
+        self.headers = {}
         self.body_parts = []
         self.received = False
         self.last_read = self.loop.time()
