@@ -304,6 +304,8 @@ class Agent:
         if engine_id is not None and engine_id == self.engine_id:
             log.warning("control plane forgot engine %s; registering again", engine_id)
             self.engine_id = None
+            # A fetch plan asked for meanwhile waits for the new id (`PeerFetch`).
+            self._registered.clear()
             self._beat.set()
 
     def _control_plane_answers(self, answers: bool) -> None:

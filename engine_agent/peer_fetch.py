@@ -6,8 +6,17 @@ the control plane read them from the store: `relayed`), then the configured fetc
 (an HTTP cache or P2P distributor, an object-store mirror); the store always comes last
 (`Store.materialize` reads it when no source delivers). After the pass, `finished` counts
 where the bytes came from and reports every peer that served bad bytes, failed or stalled
-to the control plane. Verification itself belongs to the store (`store.sources.SourcedFetch`,
-`store.relayed`); this module must never accept bytes on its own.
+to the control plane.
+
+A plan request that fails (an overloaded control plane resets or times out calls, or the
+engine is registering again after its lease lapsed) is asked again with a short jittered
+backoff for `PLAN_RETRY_S`; after that the pass follows the peers of the last plan that
+were fetching with this engine then (the store after them, as always). Falling back to the
+store alone at the first failed call turned an overloaded control plane into store egress
+(docs/peers.md, "When the control plane gives no plan").
+
+Verification itself belongs to the store (`store.sources.SourcedFetch`, `store.relayed`);
+this module must never accept bytes on its own.
 """
 
 from __future__ import annotations
@@ -15,6 +24,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
+import time
 from collections.abc import Callable
 
 import httpx
@@ -32,6 +43,13 @@ from wire.peers import PEER_FILES_PATH, FetchPlan, PeerReport, PeerSource
 log = logging.getLogger(__name__)
 
 _REGISTRATION_WAIT_S = 5.0
+# How long after its first try a pass asks again for a plan the control plane did not give
+# (a failed call, or no engine id while registering again), and the first and the longest
+# pause between tries (each jittered down by up to half, so that engines refused together
+# do not ask again together).
+PLAN_RETRY_S = 5.0
+_PLAN_BACKOFF_FIRST_S = 0.25
+_PLAN_BACKOFF_MAX_S = 2.0
 # Faults worth the control plane's attention; a busy peer (503) is not one.
 _REPORTED = frozenset({"digest", "size", "stall", "error"})
 
@@ -77,6 +95,9 @@ class PeerFetch:
         self.stall_s = stall_s
         # The fetch plan of the pass under way (`begin`), until `relayed` takes it.
         self._plans: dict[int, asyncio.Task[FetchPlan | None]] = {}
+        # The last plan the control plane gave: its fetching peers stand in for a plan that
+        # could not be had (`_fallback`).
+        self.last_plan: FetchPlan | None = None
         # One HTTP client for every source of every pass (keep-alive to the same parents;
         # opening one per peer per pass is what stalled a swarm's event loop).
         self.client: httpx.Client | None = None
@@ -95,7 +116,9 @@ class PeerFetch:
         # One pass at a time: the plan of an earlier pass is no longer wanted.
         self._plans = {version: plan}
         found = asyncio.run_coroutine_threadsafe(self._find_after(version, plan), loop)
-        return SourcedFetch([], first=found, first_wait_s=_REGISTRATION_WAIT_S + self.wait_s)
+        return SourcedFetch(
+            [], first=found, first_wait_s=_REGISTRATION_WAIT_S + PLAN_RETRY_S + self.wait_s
+        )
 
     async def relayed(self, run_id: str, version: int) -> dict[int, RelayedVersion]:
         """The claim and index of `version` from the fetch plan `begin` asked for, checked
@@ -121,21 +144,74 @@ class PeerFetch:
         return await self._find(version, await asyncio.shield(plan))
 
     async def _plan(self, version: int) -> FetchPlan | None:
-        """The control plane's fetch plan for `version` (None: none asked or answered)."""
-        if self.peers and self.engine_id() is None and self.registered is not None:
-            # A new agent's first catch-up starts beside its registration: give that a
-            # moment, the plan needs the engine's id.
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(_REGISTRATION_WAIT_S):
-                    await self.registered.wait()
+        """The control plane's fetch plan for `version`, asked again with a jittered backoff
+        for `PLAN_RETRY_S` if it fails; then `_fallback` (None: no peers to ask)."""
+        if not self.peers or self.control is None:
+            return None
+        deadline = time.monotonic() + PLAN_RETRY_S
+        pause = _PLAN_BACKOFF_FIRST_S
+        while True:
+            engine_id = await self._registered_id(deadline)
+            if engine_id is None:
+                failure = "this engine is not registered"
+            else:
+                try:
+                    plan = await self.control.fetch_plan(engine_id, version)
+                except AgentError as exc:
+                    failure = f"{type(exc).__name__}: {exc}"
+                else:
+                    self.last_plan = plan
+                    return plan
+            wait = pause * random.uniform(0.5, 1.0)
+            if time.monotonic() + wait > deadline:
+                return self._fallback(version, failure)
+            log.info(
+                "no fetch plan for v%d yet (%s); asking again in %.2fs", version, failure, wait
+            )
+            await asyncio.sleep(wait)
+            pause = min(pause * 2, _PLAN_BACKOFF_MAX_S)
+
+    async def _registered_id(self, deadline: float) -> str | None:
+        """This engine's id; while it has none (a new agent's first catch-up starts beside
+        its registration, or the control plane forgot it and it registers again), wait for
+        one until `deadline` (at least `_REGISTRATION_WAIT_S` from now)."""
         engine_id = self.engine_id()
-        if not self.peers or self.control is None or engine_id is None:
+        if engine_id is not None or self.registered is None:
+            return engine_id
+        wait_s = max(deadline - time.monotonic(), _REGISTRATION_WAIT_S)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(wait_s):
+                await self.registered.wait()
+        return self.engine_id()
+
+    def _fallback(self, version: int, failure: str) -> FetchPlan | None:
+        """What a pass follows when the control plane gave no plan for `version`: the peers
+        of the last plan (of `version`: all of them), of an earlier version: those that
+        were fetching it then, nearest first, up to the first that already held it (None:
+        the store only).
+
+        Those peers are ordered as the control plane orders every fetcher (by a fixed place
+        on a circle; `controlplane/fetch_plan.py`), so each comes before this engine in its
+        lane in any later plan of theirs too: they never wait on this engine for a file.
+        The holders of that version were ordered by id instead and may now be fetchers
+        behind it, so they are left out. A peer that does not have the files is a miss or a
+        fault, as in any plan, and the store serves. The plan's claim and index belong to
+        its own version and are not reused."""
+        last = self.last_plan
+        if last is None or last.version > version:
+            log.warning("no fetch plan for v%d (%s); fetching from the store", version, failure)
             return None
-        try:
-            return await self.control.fetch_plan(engine_id, version)
-        except AgentError as exc:
-            log.info("no fetch plan for v%d (%s); fetching from the store", version, exc)
-            return None
+        lanes = last.lanes or [last.peers]
+        if last.version < version:
+            lanes = [_fetching(lane, last.version) for lane in lanes]
+        log.warning(
+            "no fetch plan for v%d (%s); following the peers of the plan for v%d: %s",
+            version,
+            failure,
+            last.version,
+            [[peer.url for peer in lane] for lane in lanes],
+        )
+        return FetchPlan(version=version, peers=lanes[0], lanes=lanes)
 
     async def _find(self, version: int, plan: FetchPlan | None) -> FoundSources:
         found = FoundSources()
@@ -208,3 +284,13 @@ class PeerFetch:
         if self.client is not None:
             self.client.close()
             self.client = None
+
+
+def _fetching(lane: list[PeerSource], version: int) -> list[PeerSource]:
+    """The peers of `lane` (nearest first) before the first one that held `version`."""
+    kept = []
+    for peer in lane:
+        if peer.applied_version is not None and peer.applied_version >= version:
+            break
+        kept.append(peer)
+    return kept

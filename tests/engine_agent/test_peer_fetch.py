@@ -18,8 +18,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from engine_agent import peer_fetch
+from engine_agent.control_client import ControlClient
 from engine_agent.peer_fetch import PeerFetch
 from engine_agent.status import AgentStatus
+from launcher.fault_proxy import ResettingProxy
 from reference_engine.engine import weights_checksum
 from store.layout import CLAIM_FILENAME, version_file_key
 from store.manifest import INDEX_FILENAME
@@ -34,7 +37,7 @@ from tests.engine_agent.conftest import (
     wait_agent,
     wait_applied,
 )
-from tests.fixtures.processes import ManagedProcess, stop_all, wait_until
+from tests.fixtures.processes import ManagedProcess, free_port, stop_all, wait_until
 from tests.fixtures.reference_engine import (
     ReferenceEngineProcess,
     TinyCheckpoints,
@@ -42,7 +45,7 @@ from tests.fixtures.reference_engine import (
     wait_until_ready,
 )
 from tests.store.chain import publish_chain
-from wire.peers import PEER_FILES_PATH, FetchPlan, PlanningFiles
+from wire.peers import PEER_FILES_PATH, FetchPlan, PeerSource, PlanningFiles
 
 RUN = "peer-run"
 CATCH_UP_S = 90.0
@@ -68,16 +71,22 @@ class PeerFleet:
         info = self.chain.store._version_info(VersionRef(RUN, version))
         return sum(info.version_files.values())
 
-    def start_late_agent(self, *extra: str, env: dict[str, str] | None = None) -> ManagedProcess:
-        """(Re)start agent C from the boot checkpoint (v0), with a fresh work dir."""
+    def start_late_agent(
+        self, *extra: str, env: dict[str, str] | None = None, control_url: str | None = None
+    ) -> ManagedProcess:
+        """(Re)start agent C from the boot checkpoint (v0), with a fresh work dir; it calls
+        the control plane at `control_url` (e.g. a fault proxy in front of it) if given."""
         old = self.agents.pop("c", None)
         if old is not None:
             old.stop()
         runs = len(list(self.root.glob("c-work-*")))
+        cp = self.cp
+        if control_url is not None:
+            cp = ControlPlaneProcess(cp.process, control_url, cp.tokens)
         agent = launch_agent(
             f"agent-c{runs}", self.engines["c"].url, "bf16", self.root,
             store_root=self.chain.store_root, run_id=RUN, boot_model=self.boot,
-            control_plane=self.cp, work_dir=self.root / f"c-work-{runs}",
+            control_plane=cp, work_dir=self.root / f"c-work-{runs}",
             extra=tuple(extra), env_overrides=env,
         )  # fmt: skip
         self.agents["c"] = agent
@@ -175,6 +184,34 @@ def test_a_late_engine_catches_up_from_peers_while_the_store_cannot_serve_the_by
     assert pass_for(agent, target)["bytes_from"].get("store", 0) == 0
     expected = weights_checksum(fleet.chain.torch_tensors(target))
     assert engine_checksum(fleet.engines["c"]) == expected
+
+
+def test_a_late_engine_whose_plan_requests_fail_asks_again_and_fetches_from_its_peers(
+    fleet: PeerFleet,
+) -> None:
+    # Before the next tests damage what A and B keep for their peers.
+    version = fleet.chain.latest
+    if version == 0:  # run on its own: A and B need a version for C to catch up on
+        version = fleet.publish()
+        for name in "ab":
+            wait_applied(fleet.agents[name], version, CATCH_UP_S)
+    # The control plane's connection is reset under C's first two plan requests, as an
+    # overloaded one did at 1,000 engines (httpx ReadError); heartbeats get through.
+    with ResettingProxy(fleet.cp.url) as proxy:
+        proxy.reset_next_requests(2, b"GET /v1/engines/", b"/fetch-plan?")
+        agent = fleet.start_late_agent(control_url=proxy.url)
+        try:
+            wait_applied(agent, version, CATCH_UP_S)
+            bytes_from = pass_for(agent, version)["bytes_from"]
+        finally:
+            fleet.agents.pop("c").stop()
+        assert proxy.resets == 2, "both plan requests were refused"
+    # Asked again, the plan named A and B and came with the claim and index: nothing
+    # from the store (answering the first failure with the store read it all).
+    assert bytes_from.get("store", 0) == 0
+    assert engine_checksum(fleet.engines["c"]) == weights_checksum(
+        fleet.chain.torch_tensors(version)
+    )
 
 
 def test_a_peer_serving_corrupted_bytes_is_dropped_and_reported_and_none_of_its_bytes_used(
@@ -343,6 +380,48 @@ def test_a_late_engine_plans_from_the_control_planes_claim_and_index_not_the_sto
     assert engine_checksum(fleet.engines["c"]) == weights_checksum(
         fleet.chain.torch_tensors(version)
     )
+
+
+def peer(name: str, applied: int) -> PeerSource:
+    return PeerSource(engine_id=name, url=f"http://{name}:1", applied_version=applied)
+
+
+def test_without_a_plan_a_pass_follows_the_fetching_peers_of_the_last_plan_not_its_claim(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(peer_fetch, "PLAN_RETRY_S", 0.5)
+    # A real client of a control plane that is not there: every call fails to connect.
+    control = ControlClient(f"http://127.0.0.1:{free_port()}", token=None)
+    fetch = PeerFetch(
+        control=control, engine_id=lambda: "e", own_url="http://me:1", token=None,
+        status=AgentStatus(), configured=[],
+    )  # fmt: skip
+    # The last plan (v3): in lane 0 a parent fetching v3 with this engine, then one that
+    # held v3 (ordered by id, not by place: it may be behind this engine for v4); in lane 1
+    # only a holder; lane 2 names this engine itself.
+    fetch.last_plan = FetchPlan(
+        version=3,
+        peers=[peer("a", 2), peer("b", 3)],
+        lanes=[[peer("a", 2), peer("b", 3)], [peer("c", 4)], [peer("me", 2)]],
+        planning=PlanningFiles(claim="{}", index="{}"),
+    )
+
+    async def one_pass(version: int) -> tuple[list[list[str]], dict]:
+        sourced = fetch.begin(version)
+        relayed = await fetch.relayed(RUN, version)
+        lanes = await asyncio.to_thread(
+            lambda: [[s.location for s in sourced.order(lane)] for lane in range(3)]
+        )
+        sourced.close()
+        return lanes, relayed
+
+    lanes, relayed = asyncio.run(one_pass(4))
+    assert lanes == [[f"http://a:1{PEER_FILES_PATH}"], [], []]
+    assert relayed == {}, "the claim and index of v3 are not v4's"
+    # A plan of a later version than the pass's is no guide: the store only.
+    lanes, relayed = asyncio.run(one_pass(2))
+    assert lanes == [[], [], []] and relayed == {}
+    fetch.close()
 
 
 def fetch_with_plan(plan: FetchPlan) -> tuple[PeerFetch, dict]:
