@@ -42,7 +42,6 @@ from typing import Any
 import httpx
 import typer
 
-from engine_agent.agent import EXIT_UNRECOVERABLE
 from launcher.fault_proxy import ResettingProxy
 from launcher.processes import (
     TETHER,
@@ -59,6 +58,10 @@ RUN = "chaos"
 ROLES = ("trainer", "engine", "client")
 LEASE_S = 5.0
 CONVERGE_DEADLINE_S = 90.0
+# Bounds on a process's start (each wait ends when it answers): an engine has taken a
+# minute to boot on two loaded cores.
+ENGINE_START_S = 180.0
+AGENT_START_S = 180.0
 PROMPT = {"text": "1 + 1 =", "sampling_params": {"max_new_tokens": 2, "temperature": 0.0}}
 RETRYABLE = frozenset({409, 503})
 # One engine kept on each version a client pinned, within 8 versions of latest.
@@ -275,6 +278,11 @@ class ChaosFleet:
             self.db_url = self.postgres.create_database("chaos")
         else:
             self.db_url = f"sqlite:///{self.work / 'cp.db'}"
+        # Engines need nothing of the rest: they boot while the control plane starts.
+        for index in range(self.spec.engines):
+            member = Member(f"engine-{index}", free_port())
+            self.members.append(member)
+            self.launch_engine(member)
         storage_options: dict[str, Any] | None = None
         if self.spec.store == "s3":
             from launcher.seaweed import SeaweedS3
@@ -306,12 +314,12 @@ class ChaosFleet:
         self._publisher.claim(0, self.model)
         self.published.append(0)
         self._weights = load_hf_folder(self.model)
-        for index in range(self.spec.engines):
-            member = Member(f"engine-{index}", free_port())
-            self.members.append(member)
-            self.start_engine(member)
+        # Every agent starts at once (an agent waits for its engine to answer by itself).
         for member in self.members:
-            self.start_agent(member)
+            self.launch_agent(member)
+        for member in self.members:
+            self.wait_engine(member)
+            self.wait_agent(member)
         self.wait_converged(0)
 
     # --------------------------------------------------------------- processes
@@ -347,6 +355,29 @@ class ChaosFleet:
         replica.process = None
 
     def start_engine(self, member: Member) -> None:
+        self.launch_engine(member)
+        self.wait_engine(member)
+
+    def start_agent(self, member: Member) -> None:
+        self.launch_agent(member)
+        self.wait_agent(member)
+
+    def start_member(self, member: Member) -> None:
+        """A fresh replica: its engine and agent started together."""
+        self.launch_engine(member)
+        self.launch_agent(member)
+        self.wait_engine(member)
+        self.wait_agent(member)
+
+    def wait_engine(self, member: Member) -> None:
+        assert member.engine is not None
+        member.engine.wait_http("/ready", deadline_s=ENGINE_START_S)
+
+    def wait_agent(self, member: Member) -> None:
+        assert member.agent is not None
+        member.agent.wait_http("/server_info", deadline_s=AGENT_START_S)
+
+    def launch_engine(self, member: Member) -> None:
         member.engine = self.group.start(
             member.name,
             [TETHER, "engine", "reference", "--model", str(self.model),
@@ -355,9 +386,8 @@ class ChaosFleet:
             env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
             url=f"http://127.0.0.1:{member.engine_port}",
         )  # fmt: skip
-        member.engine.wait_http("/ready", deadline_s=60.0)
 
-    def start_agent(self, member: Member) -> None:
+    def launch_agent(self, member: Member) -> None:
         assert member.engine is not None
         member.agent_port = member.agent_port or free_port()
         # Every replica, for an agent that fails over between them (without a load balancer
@@ -382,7 +412,6 @@ class ChaosFleet:
             },
             url=f"http://127.0.0.1:{member.agent_port}",
         )  # fmt: skip
-        member.agent.wait_http("/server_info", deadline_s=120.0)
 
     def server_info(self, member: Member) -> dict[str, Any] | None:
         assert member.agent is not None
@@ -634,6 +663,10 @@ def s3_down_during_catch_up(chaos: Chaos) -> None:
 def engine_killed_mid_commit(chaos: Chaos) -> None:
     """An engine is killed (SIGKILL) while its agent stages and commits a new version, then
     restarted: it boots on v0 and its agent must bring it back to the latest version."""
+    # Here, not at the top: every `tether` process loads this module, and the agent's
+    # modules take a second or more to import on a busy machine.
+    from engine_agent.agent import EXIT_UNRECOVERABLE
+
     fleet = chaos.fleet
     member = fleet.members[0]
     version = fleet.publish()
@@ -799,8 +832,7 @@ def peer_serves_corrupted_bytes(chaos: Chaos) -> None:
     for path in damaged:
         path.write_bytes(_damaged(path.read_bytes()))
     chaos.lifted()
-    fleet.start_engine(newcomer)  # a fresh replica: its engine boots from v0
-    fleet.start_agent(newcomer)
+    fleet.start_member(newcomer)  # a fresh replica: its engine boots from v0
     fleet.wait_converged(version)
     faults = httpx.get(f"{newcomer.agent.url}/metrics", timeout=10.0).text
     if 'tether_agent_fetch_source_faults_total{reason="digest"}' not in faults:
