@@ -61,9 +61,13 @@ class PeerFleet:
     engines: dict[str, ReferenceEngineProcess]
     agents: dict[str, ManagedProcess]
     boot: Path
+    # The newest FULL version: a catch-up from the boot version starts there (v0 is FULL).
+    last_full: int = 0
 
-    def publish(self) -> int:
-        version = self.chain.publish("delta")
+    def publish(self, kind: str = "delta") -> int:
+        version = self.chain.publish(kind)
+        if kind == "full":
+            self.last_full = version
         self.cp.notify(RUN, version)
         return version
 
@@ -189,12 +193,11 @@ def test_a_late_engine_catches_up_from_peers_while_the_store_cannot_serve_the_by
 def test_a_late_engine_whose_plan_requests_fail_asks_again_and_fetches_from_its_peers(
     fleet: PeerFleet,
 ) -> None:
-    # Before the next tests damage what A and B keep for their peers.
-    version = fleet.chain.latest
-    if version == 0:  # run on its own: A and B need a version for C to catch up on
-        version = fleet.publish()
-        for name in "ab":
-            wait_applied(fleet.agents[name], version, CATCH_UP_S)
+    # A full version: C's catch-up needs only its files, which A and B have just verified,
+    # whatever other tests did to the copies of earlier versions they keep for peers.
+    version = fleet.publish("full")
+    for name in "ab":
+        wait_applied(fleet.agents[name], version, CATCH_UP_S)
     # The control plane's connection is reset under C's first two plan requests, as an
     # overloaded one did at 1,000 engines (httpx ReadError); heartbeats get through.
     with ResettingProxy(fleet.cp.url) as proxy:
@@ -261,10 +264,11 @@ def test_a_stalled_peer_is_dropped_within_its_deadline_and_the_store_serves(
     finally:
         for holder in holders:
             os.killpg(holder.process.pid, signal.SIGCONT)
-    # C started from its boot version: every delta since came from the store, but for the
-    # target's index, which came with the control plane's plan.
+    # C started from its boot version: the newest FULL version and every delta since came
+    # from the store, but for the target's index, which came with the control plane's plan.
     index = fleet.chain.store._version_info(VersionRef(RUN, version)).sizes[INDEX_FILENAME]
-    needed = sum(fleet.version_bytes(v) for v in range(1, version + 1)) - index
+    first = max(fleet.last_full, 1)
+    needed = sum(fleet.version_bytes(v) for v in range(first, version + 1)) - index
     assert pass_for(agent, version)["bytes_from"].get("store", 0) == needed
 
 
