@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import Counter as Tally
-from collections.abc import Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import (
@@ -183,6 +183,10 @@ class InFlight:
 # figure one request behind, never a torn one that stays wrong.
 
 
+# prometheus_client's bound formatting (untyped there), so the text matches its histograms.
+_go_float: Callable[[float], str] = floatToGoString
+
+
 class LoopCounter:
     """A labelled counter of the event loop's thread, exported at scrape time. `counts` is
     keyed by the label values (anything `str()` turns into the label, e.g. a status code)."""
@@ -220,5 +224,5 @@ class LoopHistogram:
         buckets, cumulative = [], 0
         for bound, n in zip((*self.bounds, float("inf")), counts, strict=True):
             cumulative += n
-            buckets.append((floatToGoString(bound), cumulative))
+            buckets.append((_go_float(bound), cumulative))
         yield HistogramMetricFamily(self.name, self.documentation, buckets=buckets, sum_value=total)

@@ -22,7 +22,7 @@ import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from controlplane.convergence import Convergence
-from controlplane.metrics import Metrics
+from controlplane.metrics import LoopCounter, Metrics
 from controlplane.snapshot import FleetSnapshot
 from wire import GapReport as GapReportBody
 from wire import Precision, SyncState
@@ -33,7 +33,7 @@ GAP_STEPS_KEPT = 200
 RATE_WINDOW_S = 60.0
 
 
-def _counter_total(counter: Counter) -> dict[str, float]:
+def _counter_total(counter: Counter | LoopCounter) -> dict[str, float]:
     """A labelled counter's totals by its first label (e.g. the 409 reason)."""
     out: dict[str, float] = {}
     for family in counter.collect():

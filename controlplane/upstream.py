@@ -499,9 +499,11 @@ class Upstream:
         if origin is None:
             if len(self._origins) >= MAX_REMEMBERED_ORIGINS:
                 # Parsed URLs and request heads are caches; a fleet that churns through
-                # many engines must not grow them without end.
+                # many engines must not grow them without end. Idle connections are pooled
+                # by Origin identity: with their Origins forgotten they could not be reused.
                 self._origins.clear()
                 self._heads.clear()
+                self._close_idle()
             origin = self._origins[url] = Origin.parse(url)
         return origin
 
@@ -539,6 +541,12 @@ class Upstream:
                 waiter = self.loop.create_future()
                 self._waiting.append(waiter)
                 await waiter
+
+    def _close_idle(self) -> None:
+        for idle in list(self._idle.values()):
+            for conn in list(idle):
+                conn.close()
+        self._idle.clear()
 
     def _take_idle(self, origin: Origin) -> _Connection | None:
         idle = self._idle.get(origin)
@@ -623,7 +631,4 @@ class Upstream:
     async def close(self) -> None:
         """Close every idle connection; requests still running finish on theirs."""
         self._closing = True
-        for idle in list(self._idle.values()):
-            for conn in list(idle):
-                conn.close()
-        self._idle.clear()
+        self._close_idle()

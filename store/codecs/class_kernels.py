@@ -346,7 +346,7 @@ def _rice_classes_py(
         r[c] = own
         bits[c] = total
         low_bits += own * count
-        unary_bits += total
+        unary_bits += int(total)
     low = np.zeros((low_bits + 7) // 8, np.uint8)
     unary = np.zeros((unary_bits + 7) // 8, np.uint8)
     low_at = 0
@@ -359,7 +359,7 @@ def _rice_classes_py(
         plane = (count + 7) // 8
         for j in range(r[c]):
             low_at = append_bits(low, low_at, planes[j * plane :], count)
-        unary_at = append_bits(unary, unary_at, codes, total)
+        unary_at = append_bits(unary, unary_at, codes, int(total))
     return low, unary
 
 

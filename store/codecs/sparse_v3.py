@@ -217,8 +217,8 @@ class SparseV3Codec(SparseV2Codec):
         head = bytearray((len(starts),))  # the form byte: how many classes
         write_varint(k, head)
         head.append(shift)
-        for below, at in pairwise(starts):
-            write_varint((at - below) >> shift, head)
+        for below, above in pairwise(starts):
+            write_varint((above - below) >> shift, head)
         # Every live class's gaps Rice-coded and joined bit to bit, no padding between, in
         # one kernel call.
         low, unary = rice_classes(gaps, gap_at, members, r, unary_bits_of)

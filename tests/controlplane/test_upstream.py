@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from controlplane import upstream
 from controlplane.upstream import (
     STREAM_HIGH_WATER,
     Answer,
@@ -170,6 +171,38 @@ def test_an_idle_connection_the_engine_closed_is_replaced_without_an_error() -> 
             assert len(accepted) == 3
         finally:
             server.close()
+            await client.close()
+
+    asyncio.run(main())
+
+
+def test_forgetting_the_parsed_urls_closes_the_idle_connections_they_pooled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(upstream, "MAX_REMEMBERED_ORIGINS", 2)
+
+    async def keep_alive(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while (await read_request(reader))[0]:
+            writer.write(reply(b"ok"))
+            await writer.drain()
+
+    async def main() -> None:
+        client = Upstream(read_timeout_s=5)
+        servers = [await serve(keep_alive) for _ in range(3)]
+        try:
+            for _server, url, _accepted in servers[:2]:
+                assert (await client.post(url, "/generate", b"{}")).body == b"ok"
+            assert client.idle_connections() == 2
+            # A third engine: the two remembered URLs are forgotten, and the connections
+            # pooled under them closed (no request could take them any more).
+            assert (await client.post(servers[2][1], "/generate", b"{}")).body == b"ok"
+            await until(lambda: client.open_connections == 1)
+            first_url, first_accepted = servers[0][1], servers[0][2]
+            assert (await client.post(first_url, "/generate", b"{}")).body == b"ok"
+            assert len(first_accepted) == 2, "a new connection to the first engine"
+        finally:
+            for server, _url, _accepted in servers:
+                server.close()
             await client.close()
 
     asyncio.run(main())
