@@ -51,6 +51,13 @@ def reply(body: bytes, extra: bytes = b"") -> bytes:
     )
 
 
+async def answer_ok(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Answers every request on the connection with `ok`, keeping it alive."""
+    while (await read_request(reader))[0]:
+        writer.write(reply(b"ok"))
+        await writer.drain()
+
+
 async def serve(handler: Handler) -> tuple[asyncio.Server, str, list[int]]:
     """A TCP server on a free loopback port; the list counts accepted connections."""
     accepted: list[int] = []
@@ -181,14 +188,9 @@ def test_forgetting_the_parsed_urls_closes_the_idle_connections_they_pooled(
 ) -> None:
     monkeypatch.setattr(upstream, "MAX_REMEMBERED_ORIGINS", 2)
 
-    async def keep_alive(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while (await read_request(reader))[0]:
-            writer.write(reply(b"ok"))
-            await writer.drain()
-
     async def main() -> None:
         client = Upstream(read_timeout_s=5)
-        servers = [await serve(keep_alive) for _ in range(3)]
+        servers = [await serve(answer_ok) for _ in range(3)]
         try:
             for _server, url, _accepted in servers[:2]:
                 assert (await client.post(url, "/generate", b"{}")).body == b"ok"
@@ -385,14 +387,9 @@ async def post_now(client: Upstream, url: str) -> Answer | UpstreamError:
 
 
 def test_post_now_sends_only_on_an_idle_connection_and_reports_the_answer() -> None:
-    async def answers(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while (await read_request(reader))[0]:
-            writer.write(reply(b"ok"))
-            await writer.drain()
-
     async def main() -> None:
         client = Upstream(read_timeout_s=5)
-        server, url, accepted = await serve(answers)
+        server, url, accepted = await serve(answer_ok)
         try:
             # No idle connection yet: nothing is sent, the caller must await `post`.
             assert not client.post_now(url, "/generate", b"{}", (), lambda _: None)
