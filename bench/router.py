@@ -3,7 +3,9 @@
 Side by side on one machine: requests straight to fast engine stand-ins, through Tether's
 router (its own hot-lane exchange, one process and any `--workers` counts asked for; and
 the same lane through ASGI, `tether-asgi`, as before the exchange), in the client-side
-route mode (`tether-route`: `GET /v1/route`, then the engine directly), and through
+route mode (`tether-route`: `GET /v1/route`, then the engine directly), with the direct
+client (`tether-direct`: `GET /v1/routes` cached for its `valid_for_s`, power-of-two
+choices by the client's own in-flight counts, then the engine directly), and through
 SGLang's Rust router (`sglang-router`) to the same stand-ins. For each router, the CPU time of its
 process tree per request during the throughput runs. Also the routing decision time with
 1,000 registered engines, and heartbeat latency with 1,000 simulated engines at 1 Hz on
@@ -191,6 +193,75 @@ class RoutedConnection:
             conn.close()
 
 
+class DirectClient:
+    """The direct client's shared state, as `trainer_client.DirectRoutes` keeps it: one
+    cached candidate set (`GET /v1/routes`), asked again when its `valid_for_s` lapses
+    (one ask at a time), and the client's in-flight requests per engine."""
+
+    def __init__(self, query: str) -> None:
+        import asyncio
+        import random
+
+        self.query = query
+        self.engines: list[Any] = []
+        self.expires_at = 0.0
+        self.in_flight: dict[str, int] = {}
+        self.lookups = 0
+        self.rng = random.Random()
+        self._asking = asyncio.Lock()
+
+    async def candidates(self, router: RawConnection) -> list[Any]:
+        from wire import RouteSet
+
+        if time.monotonic() < self.expires_at:
+            return self.engines
+        async with self._asking:
+            if time.monotonic() < self.expires_at:
+                return self.engines
+            status, reply = await router.get(self.query)
+            if status != 200:
+                raise RuntimeError(f"GET {self.query} answered {status}: {reply[:200]!r}")
+            found = RouteSet.model_validate_json(reply)
+            self.lookups += 1
+            self.engines, self.expires_at = found.engines, time.monotonic() + found.valid_for_s
+        return self.engines
+
+
+class DirectConnection:
+    """One connection of the direct client: the router connection for candidate sets
+    (shared state in `DirectClient`), and a kept connection per engine it posts to."""
+
+    def __init__(self, router: RawConnection, client: DirectClient) -> None:
+        self.router = router
+        self.client = client
+        self.engines: dict[str, RawConnection] = {}
+
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        from trainer_client.direct_routes import pick_less_loaded
+
+        client = self.client
+        engine = pick_less_loaded(
+            await client.candidates(self.router), client.in_flight, client.rng
+        )
+        assert engine is not None  # the control plane refuses rather than list none
+        conn = self.engines.get(engine.url)
+        if conn is None:
+            conn = self.engines[engine.url] = await RawConnection.open(engine.url)
+        client.in_flight[engine.engine_id] = client.in_flight.get(engine.engine_id, 0) + 1
+        try:
+            return await conn.post(path, body)
+        finally:
+            client.in_flight[engine.engine_id] -= 1
+
+    def close(self) -> None:
+        self.router.close()
+        for conn in self.engines.values():
+            conn.close()
+
+
+Connection = RawConnection | RoutedConnection | DirectConnection
+
+
 GENERATE_BODY = json.dumps(
     {"text": "hello", "weight_version": {"min_version": 1}, "sampling_params": {}}
 ).encode()
@@ -209,18 +280,23 @@ class Target:
         headers: dict[str, str],
         pid: int | None = None,
         route_query: str | None = None,
+        direct: DirectClient | None = None,
     ) -> None:
         self.name, self.bases, self.path, self.headers = name, bases, path, headers
         self.pid = pid
         # Set: the client-side route mode (`RoutedConnection`) with this `/v1/route` query.
         self.route_query = route_query
+        # Set: the direct client (`DirectConnection`) with this shared state.
+        self.direct = direct
 
-    async def connect(self, i: int = 0) -> RawConnection | RoutedConnection:
+    async def connect(self, i: int = 0) -> Connection:
         conn = await RawConnection.open(self.bases[i % len(self.bases)], self.headers)
+        if self.direct is not None:
+            return DirectConnection(conn, self.direct)
         return RoutedConnection(conn, self.route_query) if self.route_query else conn
 
 
-async def _call(conn: RawConnection | RoutedConnection, path: Target) -> float:
+async def _call(conn: Connection, path: Target) -> float:
     start = time.perf_counter()
     status, reply = await conn.post(path.path, GENERATE_BODY)
     took = time.perf_counter() - start
@@ -261,7 +337,7 @@ async def _throughput(path: Target, requests: int, concurrency: int) -> tuple[fl
     await asyncio.gather(*(_call(c, path) for c in conns))
     counter = iter(range(requests))
 
-    async def worker(conn: RawConnection | RoutedConnection) -> None:
+    async def worker(conn: Connection) -> None:
         for _ in counter:
             await _call(conn, path)
 
@@ -435,6 +511,8 @@ def _tether_name(workers: int) -> str:
 ASGI_ENTRY = "tether-asgi"
 # The client asks the router for an engine and calls it itself (`RoutedConnection`).
 ROUTE_MODE = "tether-route"
+# The client balances over a cached candidate set and calls engines itself (`DirectConnection`).
+DIRECT_CLIENT = "tether-direct"
 
 
 def _own_postgres() -> tuple[str | None, Any, str | None]:
@@ -470,6 +548,11 @@ def run(
         True,
         help=f"also measure the client-side route mode ('{ROUTE_MODE}': GET /v1/route, then "
         "straight to the engine)",
+    ),
+    direct_client: bool = typer.Option(
+        True,
+        help=f"also measure the direct client ('{DIRECT_CLIENT}': GET /v1/routes cached for "
+        "its valid_for_s, power-of-two choices on the client, straight to the engine)",
     ),
     rounds: int = typer.Option(
         2, help="throughput rounds, the paths alternating (more: drifting load cancels better)"
@@ -548,6 +631,12 @@ def run(
             assert plane.url is not None
             targets.append(Target(ROUTE_MODE, [plane.url], "/generate", headers,
                                   plane.process.pid, "/v1/route?min_version=1"))  # fmt: skip
+        direct_state = DirectClient("/v1/routes?min_version=1")
+        if direct_client:
+            plane = planes[_tether_name(configs[-1])]
+            assert plane.url is not None
+            targets.append(Target(DIRECT_CLIENT, [plane.url], "/generate", headers,
+                                  plane.process.pid, direct=direct_state))  # fmt: skip
         if rust is not None:
             assert rust.url is not None
             targets.append(Target("sglang-router", [rust.url], "/generate", {}, rust.process.pid))
@@ -615,6 +704,28 @@ def run(
             route_mode_cpu_us_per_request=(
                 round(found[ROUTE_MODE]["cpu_us"], 1) if route_mode else None
             ),
+            direct_client_rps=(round(found[DIRECT_CLIENT]["rps"], 1) if direct_client else None),
+            direct_client_cpu_us_per_request=(
+                round(found[DIRECT_CLIENT]["cpu_us"], 1) if direct_client else None
+            ),
+            direct_client_route_lookups=direct_state.lookups if direct_client else None,
+            direct_client_rps_over_rust=(
+                round(found[DIRECT_CLIENT]["rps"] / rust_found["rps"], 3)
+                if direct_client and rust_found
+                else None
+            ),
+            direct_client_over_rust_by_round=(
+                [
+                    round(ours / theirs, 3)
+                    for ours, theirs in zip(
+                        found[DIRECT_CLIENT]["rps_by_round"],
+                        rust_found["rps_by_round"],
+                        strict=True,
+                    )
+                ]
+                if direct_client and rust_found
+                else None
+            ),
             router_over_rust_by_round=(
                 [
                     round(ours / theirs, 3)
@@ -631,6 +742,11 @@ def run(
                 f"Tether ({_tether_name(configs[-1])}) / Rust router throughput: "
                 f"{figures['router_rps_over_rust']:.2f}x"
             )
+            if direct_client:
+                console.print(
+                    f"Direct client ({DIRECT_CLIENT}) / Rust router throughput: "
+                    f"{figures['direct_client_rps_over_rust']:.2f}x"
+                )
 
         figures["route_decision_us_1000"] = round(_decision_time(fleet), 2)
         console.print(f"routing decision, {fleet} engines: {figures['route_decision_us_1000']} us")

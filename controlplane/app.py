@@ -35,6 +35,7 @@ from controlplane.draining import CHECK_INTERVAL_S as DRAIN_CHECK_S
 from controlplane.draining import draining
 from controlplane.errors import (
     ERROR_RESPONSES,
+    ApiError,
     EngineUnknown,
     InvalidRequest,
     NoVersionYet,
@@ -56,9 +57,10 @@ from controlplane.proxy import (
 )
 from controlplane.refusals import too_far_ahead
 from controlplane.replica_events import ReplicaEvents, listens
-from controlplane.router import pick
+from controlplane.router import eligible, pick
 from controlplane.services import Services
 from controlplane.settings import ControlPlaneSettings
+from controlplane.snapshot import FleetSnapshot
 from store.types import VersionConstraint
 from wire import (
     MAX_INT,
@@ -73,6 +75,8 @@ from wire import (
     Precision,
     Role,
     RouteAnswer,
+    RouteCandidate,
+    RouteSet,
     RoutingFields,
     RunCreate,
     RunInfo,
@@ -475,17 +479,15 @@ def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:
     async def chat_completions(request: Request, _: Role = Depends(role(CALLERS))) -> Response:
         return await forward("chat", request)
 
-    @app.get("/v1/route", response_model=RouteAnswer, tags=["router"])
-    async def route(
+    def route_query(
         request: Request,
-        run_id: str | None = None,
-        min_version: int | None = Query(None, ge=0, le=MAX_INT),
-        exact_version: int | None = Query(None, ge=0, le=MAX_INT),
-        precision: list[Precision] | None = Query(None),
-        session_id: str | None = None,
-        _: Role = Depends(role(CALLERS)),
-    ) -> RouteAnswer:
-        """Which engine to call, for clients that talk to engines directly."""
+        run_id: str | None,
+        min_version: int | None,
+        exact_version: int | None,
+        session_id: str | None,
+    ) -> tuple[FleetSnapshot, str, VersionConstraint, str | None]:
+        """The checks `/v1/route` and `/v1/routes` share: the query's constraint and
+        session, the run, and the refusals that do not depend on the engines."""
         try:
             spec = WeightVersionSpec(min_version=min_version, exact_version=exact_version)
         except ValidationError as exc:
@@ -497,13 +499,42 @@ def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:
         session = session_of(request.headers, fields)
         snap = cp.fleet.snapshot
         run = resolve_run(snap, run_id, "query.run_id")
+        return snap, run, spec.constraint(), session
+
+    async def admit_route(snap: FleetSnapshot, run: str, constraint: VersionConstraint) -> None:
         await check_run(cp.fleet, snap, run)
-        constraint: VersionConstraint = spec.constraint()
         ahead = too_far_ahead(snap, run, constraint, settings.max_versions_ahead, "query")
         if ahead is not None:
             raise ahead
         if constraint.exact_version is not None:
             cp.fleet.note_exact(run, constraint.exact_version)
+
+    def none_eligible(
+        snap: FleetSnapshot,
+        run: str,
+        constraint: VersionConstraint,
+        precisions: frozenset[Precision] | None,
+    ) -> ApiError:
+        cp.metrics.not_ready.labels("none_eligible").inc()
+        return no_engine(
+            snap, run, constraint, precisions, settings.default_retry_after_s, "none_eligible"
+        )
+
+    @app.get("/v1/route", response_model=RouteAnswer, tags=["router"])
+    async def route(
+        request: Request,
+        run_id: str | None = None,
+        min_version: int | None = Query(None, ge=0, le=MAX_INT),
+        exact_version: int | None = Query(None, ge=0, le=MAX_INT),
+        precision: list[Precision] | None = Query(None),
+        session_id: str | None = None,
+        _: Role = Depends(role(CALLERS)),
+    ) -> RouteAnswer:
+        """Which engine to call, for clients that talk to engines directly."""
+        snap, run, constraint, session = route_query(
+            request, run_id, min_version, exact_version, session_id
+        )
+        await admit_route(snap, run, constraint)
         precisions = frozenset(precision) if precision else None
         engine = pick(
             snap,
@@ -515,10 +546,7 @@ def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:
             now=cp.fleet.lease_clock(),
         )
         if engine is None:
-            cp.metrics.not_ready.labels("none_eligible").inc()
-            raise no_engine(
-                snap, run, constraint, precisions, settings.default_retry_after_s, "none_eligible"
-            )
+            raise none_eligible(snap, run, constraint, precisions)
         cp.metrics.version_lag.note_pick(snap, run, engine)
         return RouteAnswer(
             engine_id=engine.engine_id,
@@ -526,6 +554,43 @@ def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:
             precision=engine.precision,
             applied_version=engine.applied_version or 0,
             run_id=run,
+        )
+
+    @app.get("/v1/routes", response_model=RouteSet, tags=["router"])
+    async def routes(
+        request: Request,
+        run_id: str | None = None,
+        min_version: int | None = Query(None, ge=0, le=MAX_INT),
+        exact_version: int | None = Query(None, ge=0, le=MAX_INT),
+        precision: list[Precision] | None = Query(None),
+        _: Role = Depends(role(CALLERS)),
+    ) -> RouteSet:
+        """Every engine that may serve the constraint now, for clients that balance over
+        engines themselves and call them directly; reuse it for `valid_for_s` at most.
+        Same checks and refusals as `/v1/route`."""
+        snap, run, constraint, _session = route_query(
+            request, run_id, min_version, exact_version, None
+        )
+        await admit_route(snap, run, constraint)
+        precisions = frozenset(precision) if precision else None
+        engines = eligible(snap, run, constraint, precisions=precisions, now=cp.fleet.lease_clock())
+        if not engines:
+            raise none_eligible(snap, run, constraint, precisions)
+        local = cp.fleet.in_flight
+        return RouteSet(
+            run_id=run,
+            engines=[
+                RouteCandidate(
+                    engine_id=e.engine_id,
+                    url=e.url,
+                    precision=e.precision,
+                    applied_version=e.applied_version or 0,
+                    capacity=e.capacity,
+                    in_flight=e.in_flight + local.get(e.engine_id, 0),
+                )
+                for e in engines
+            ],
+            valid_for_s=settings.route_set_valid_s,
         )
 
     return app

@@ -46,6 +46,9 @@ class ControlPlaneSettings(BaseSettings):
     max_long_poll_s: float = Field(default=60.0, gt=0)
     token_cache_s: float = Field(default=1.0, ge=0)
     route_attempts: int = Field(default=3, ge=1)
+    # How long a client may reuse a `GET /v1/routes` candidate set (`valid_for_s`): short,
+    # so an engine that left or moved version stops getting direct traffic soon after.
+    route_set_valid_s: float = Field(default=1.0, gt=0, le=60)
     proxy_timeout_s: float = Field(default=600.0, gt=0)
     default_retry_after_s: float = Field(default=1.0, gt=0)
     # How often every run's store pointer is compared with its recorded latest version (a

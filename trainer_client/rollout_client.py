@@ -8,8 +8,10 @@ every retry. A refusal that waiting cannot change fails at once with its own exc
 `VersionUnavailable` (the version will not be served again; it carries the nearest
 servable version), `PrecisionUnavailable` (no engine of that precision), and
 `RolloutRequestInvalid` for every other 4xx (unknown run, impossible constraint).
-It never chooses an engine (the router does) and never accepts an answer whose
-stamped version breaks the request's constraint: such an answer raises
+It never chooses an engine itself: the router does, or, with `direct=True`,
+`DirectRoutes` balances over the candidate sets the control plane lists
+(`trainer_client/direct_routes.py`) and calls engines directly. It never accepts an answer
+whose stamped version breaks the request's constraint: such an answer raises
 `ConstraintViolated`, because a trainer must not learn from tokens of the wrong policy.
 """
 
@@ -26,6 +28,7 @@ from typing import Any
 import httpx
 
 from store.types import VersionConstraint, validate_run_id, validate_version
+from trainer_client.direct_routes import DirectRoutes, stamp
 from trainer_client.notifier import auth_headers, error_text
 from trainer_client.rollout_result import (
     Delivery,
@@ -152,7 +155,10 @@ class RolloutClient:
     `control_plane`: the control plane's base URL; `token`: a client or trainer token;
     `run_id`: the run (may be omitted when the control plane knows only one).
     `deadline_s`: how long one call may keep retrying; `latest_ttl_s`: how long a read of
-    the latest version is reused for `max_lag`. Use as `async with RolloutClient(...)`.
+    the latest version is reused for `max_lag`. `direct`: call engines directly, balanced
+    over the control plane's cached candidate sets (`GET /v1/routes`), instead of through
+    its router (needs network reach to every engine; see docs/api.md). Use as
+    `async with RolloutClient(...)`.
     """
 
     def __init__(
@@ -167,6 +173,7 @@ class RolloutClient:
         latest_ttl_s: float = 0.5,
         request_timeout_s: float = 300.0,
         max_connections: int = 256,
+        direct: bool = False,
     ) -> None:
         self.run_id = validate_run_id(run_id) if run_id is not None else None
         self.deadline_s = deadline_s
@@ -180,6 +187,13 @@ class RolloutClient:
             timeout=httpx.Timeout(request_timeout_s, connect=10.0),
             limits=httpx.Limits(max_connections=max_connections),
         )
+        self.direct: DirectRoutes | None = None
+        if direct:
+            engines = httpx.AsyncClient(
+                timeout=httpx.Timeout(request_timeout_s, connect=10.0),
+                limits=httpx.Limits(max_connections=max_connections),
+            )
+            self.direct = DirectRoutes(self._client, engines)
         self._latest: tuple[float, int | None] | None = None
         self._latest_lock = asyncio.Lock()
 
@@ -191,6 +205,8 @@ class RolloutClient:
 
     async def aclose(self) -> None:
         await self._client.aclose()
+        if self.direct is not None:
+            await self.direct.engines.aclose()
 
     # ------------------------------------------------------------------ versions
 
@@ -389,15 +405,28 @@ class RolloutClient:
         retries = not_ready = 0
         last = ""
         while True:
+            engine = None
             try:
-                response = await self._client.post(path, json=body, headers=headers)
+                if self.direct is None:
+                    response = await self._client.post(path, json=body, headers=headers)
+                else:
+                    response, engine = await self.direct.post(
+                        path,
+                        body,
+                        run_id=self.run_id,
+                        constraint=constraint,
+                        precisions=_precisions(precision),
+                        session_id=session_id,
+                        headers=headers,
+                    )
             except httpx.TransportError as exc:
                 self.stats.transport_retries += 1
                 wait_s, last = None, f"transport error: {exc}"
             else:
                 if response.status_code == 200:
                     delivery = Delivery(response.headers, constraint, retries, not_ready)
-                    return response.json(), delivery
+                    answer = response.json()
+                    return (answer if engine is None else stamp(answer, engine)), delivery
                 refused = refusal_of(path, response)
                 if refused is not None:
                     raise refused
@@ -422,6 +451,12 @@ class RolloutClient:
                 )
             log.debug("retry %d of %s in %.3fs (%s)", retries, path, delay, last)
             await asyncio.sleep(min(delay, left))  # backoff, bounded by the deadline
+
+
+def _precisions(precision: str | Sequence[str] | None) -> tuple[str, ...]:
+    if precision is None:
+        return ()
+    return (precision,) if isinstance(precision, str) else tuple(sorted(set(precision)))
 
 
 def _gap_fields(gap: Any) -> dict[str, Any]:

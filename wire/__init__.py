@@ -58,6 +58,8 @@ from wire.health import (
 )
 from wire.routing import (
     RouteAnswer,
+    RouteCandidate,
+    RouteSet,
     RoutingFields,
     WeightVersionSpec,
 )
@@ -117,6 +119,8 @@ __all__ = [
     "PrecisionNotServedDetail",
     "Role",
     "RouteAnswer",
+    "RouteCandidate",
+    "RouteSet",
     "RoutingFields",
     "RunCreate",
     "RunInfo",

@@ -1,5 +1,5 @@
 """The Tether fields of a rollout request: the version it accepts, the precisions, the
-session, and the direct-mode answer (`GET /v1/route`).
+session, and the direct-mode answers (`GET /v1/route`, `GET /v1/routes`).
 
 Generate bodies belong to SGLang/OpenAI, so only their Tether fields are described here;
 every other field passes through untouched. Imports pydantic and the store vocabulary.
@@ -73,3 +73,25 @@ class RouteAnswer(TetherModel):
     precision: Precision
     applied_version: int
     run_id: str
+
+
+class RouteCandidate(TetherModel):
+    """One engine of a `GET /v1/routes` answer: where it is, what it serves, and its load
+    as the router sees it (reported plus this control plane's own in-flight requests)."""
+
+    engine_id: str
+    url: str
+    precision: Precision
+    applied_version: int
+    capacity: int
+    in_flight: int
+
+
+class RouteSet(TetherModel):
+    """`GET /v1/routes`: every engine that may serve the constraint now, for clients that
+    balance over engines themselves. Reuse it for `valid_for_s` seconds at most, then ask
+    again; an engine that answers 409/503 or cannot be reached is dropped before then."""
+
+    run_id: str
+    engines: list[RouteCandidate]
+    valid_for_s: float

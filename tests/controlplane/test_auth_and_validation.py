@@ -48,6 +48,7 @@ ROUTES = [
     ("POST", "/v1/completions", {"client", "trainer"}, {"prompt": "hi"}),
     ("POST", "/v1/chat/completions", {"client", "trainer"}, {"messages": []}),
     ("GET", "/v1/route?run_id=auth", {"client", "trainer"}, None),
+    ("GET", "/v1/routes?run_id=auth", {"client", "trainer"}, None),
     ("GET", "/v1/fleet/overview", {"client", "trainer", "viewer"}, None),
     ("GET", "/v1/runs/auth/versions/1/convergence", {"client", "trainer", "viewer"}, None),
     ("POST", "/v1/runs/auth/gap", {"trainer"}, {"step": 1}),
