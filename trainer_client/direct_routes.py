@@ -103,6 +103,7 @@ class DirectRoutes:
         last: httpx.Response | httpx.TransportError | None = None
         last_engine: RouteCandidate | None = None
         for _ in range(self.attempts):
+            found: list[RouteCandidate] | RouteCandidate | httpx.Response
             if session_id is not None:
                 found = await self._route_for_session(key, session_id)
                 engine = found if isinstance(found, RouteCandidate) else None
@@ -111,7 +112,7 @@ class DirectRoutes:
                 engine = self._pick(found) if isinstance(found, list) else None
             if isinstance(found, httpx.Response):
                 return found, None
-            if engine is None:  # every listed engine was dropped: ask again
+            if engine is None:  # the set came back empty: ask again
                 self._sets.pop(key, None)
                 continue
             try:
@@ -127,13 +128,9 @@ class DirectRoutes:
             return response, engine
         if isinstance(last, httpx.TransportError):
             raise last
-        if last is None:  # the control plane kept listing engines that were all dropped
-            return await self._refetch(key), None
+        if last is None:  # the control plane listed no engine, every time it was asked
+            return _no_engine_listed(path), None
         return last, last_engine
-
-    def forget(self) -> None:
-        """Drop every cached candidate set (the next request asks the control plane)."""
-        self._sets.clear()
 
     # ------------------------------------------------------------------ candidates
 
@@ -156,17 +153,8 @@ class DirectRoutes:
         return None
 
     async def _refetch(self, key: RouteKey) -> list[RouteCandidate] | httpx.Response:
-        run_id, min_version, exact_version, precisions = key
-        params: list[tuple[str, str | int]] = []
-        if run_id is not None:
-            params.append(("run_id", run_id))
-        if min_version is not None:
-            params.append(("min_version", min_version))
-        if exact_version is not None:
-            params.append(("exact_version", exact_version))
-        params.extend(("precision", p) for p in precisions)
         self.stats.route_lookups += 1
-        response = await self.control.get("/v1/routes", params=params)
+        response = await self.control.get("/v1/routes", params=_query(key))
         if response.status_code != 200:
             self._sets.pop(key, None)
             return response
@@ -178,16 +166,8 @@ class DirectRoutes:
         self, key: RouteKey, session_id: str
     ) -> RouteCandidate | httpx.Response:
         """The router's affinity pick for the session (not cached: one engine per ask)."""
-        run_id, min_version, exact_version, precisions = key
-        params: list[tuple[str, str | int]] = [("session_id", session_id)]
-        if run_id is not None:
-            params.append(("run_id", run_id))
-        if min_version is not None:
-            params.append(("min_version", min_version))
-        if exact_version is not None:
-            params.append(("exact_version", exact_version))
-        params.extend(("precision", p) for p in precisions)
         self.stats.route_lookups += 1
+        params = [("session_id", session_id), *_query(key)]
         response = await self.control.get("/v1/route", params=params)
         if response.status_code != 200:
             return response
@@ -230,6 +210,33 @@ class DirectRoutes:
                 self.in_flight[engine_id] = left
             else:
                 del self.in_flight[engine_id]
+
+
+QueryList = list[tuple[str, str | int | float | bool | None]]
+
+
+def _query(key: RouteKey) -> QueryList:
+    """The query of `/v1/routes` and `/v1/route` for one constraint."""
+    run_id, min_version, exact_version, precisions = key
+    params: QueryList = [
+        (name, value)
+        for name, value in (
+            ("run_id", run_id),
+            ("min_version", min_version),
+            ("exact_version", exact_version),
+        )
+        if value is not None
+    ]
+    params.extend(("precision", p) for p in precisions)
+    return params
+
+
+def _no_engine_listed(path: str) -> httpx.Response:
+    """A retryable 503 in the router's shape, for an empty candidate set (the control plane
+    refuses rather than list none, so only a race with its snapshot gets here)."""
+    message = f"{path}: the control plane listed no engine to call directly; retry"
+    error = {"type": "NoEngineAvailable", "retryable": True, "message": message}
+    return httpx.Response(503, json={"error": error})
 
 
 def pick_less_loaded(

@@ -4,6 +4,7 @@ a real control plane and engine stand-ins whose versions move."""
 from __future__ import annotations
 
 import asyncio
+import random
 import sys
 import time
 from collections import Counter
@@ -17,12 +18,14 @@ import torch
 
 from demo.local_fleet import LocalControlPlane, start_controlplane
 from launcher.processes import ManagedProcess, ProcessGroup, free_port
+from trainer_client.direct_routes import pick_less_loaded
 from trainer_client.publisher import Publisher
 from trainer_client.rollout_client import (
     PrecisionUnavailable,
     RolloutClient,
     RolloutRequestInvalid,
 )
+from wire import Precision, RouteCandidate
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = "direct"
@@ -224,3 +227,30 @@ def test_a_session_stays_on_the_router_s_affinity_pick(fleet: Fleet) -> None:
 
     engines = asyncio.run(scenario())
     assert len(engines) == 1 and None not in engines
+
+
+def test_the_pick_prefers_fewer_requests_in_flight_per_unit_of_capacity() -> None:
+    def engine(name: str, capacity: int) -> RouteCandidate:
+        return RouteCandidate(
+            engine_id=name,
+            url=f"http://{name}",
+            precision=Precision.BF16,
+            applied_version=1,
+            capacity=capacity,
+            in_flight=0,
+        )
+
+    small, big = engine("small", 2), engine("big", 16)
+    rng = random.Random(7)
+    # 2 in flight on a capacity of 2 is a full engine; 8 on 16 is half full.
+    picks = {
+        pick_less_loaded([small, big], {"small": 2, "big": 8}, rng).engine_id  # type: ignore[union-attr]
+        for _ in range(20)
+    }
+    assert picks == {"big"}
+    picks = {
+        pick_less_loaded([small, big], {"small": 0, "big": 1}, rng).engine_id  # type: ignore[union-attr]
+        for _ in range(20)
+    }
+    assert picks == {"small"}
+    assert pick_less_loaded([], {}, rng) is None
