@@ -39,6 +39,9 @@ class Fleet:
     cp: LocalControlPlane
     publisher: Publisher
     engines: dict[str, ManagedProcess]  # name -> stand-in
+    group: ProcessGroup
+    db_url: str
+    store: str
 
     def routes(self, role: str | None = "client", **query: object) -> httpx.Response:
         headers = {"Authorization": f"Bearer {self.cp.tokens[role]}"} if role else {}
@@ -69,10 +72,11 @@ class Fleet:
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     root = tmp_path_factory.mktemp("direct")
     store = str(root / "store")
+    db_url = f"sqlite:///{root / 'cp.db'}"
     with ProcessGroup(root / "logs") as group:
         cp = start_controlplane(
             group,
-            f"sqlite:///{root / 'cp.db'}",
+            db_url,
             store,
             env={"TETHER_ROUTE_SET_VALID_S": str(VALID_FOR_S)},
         )
@@ -96,7 +100,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             )  # fmt: skip
         for engine in engines.values():
             engine.wait_http("/health", deadline_s=DEADLINE_S)
-        result = Fleet(cp, publisher, engines)
+        result = Fleet(cp, publisher, engines, group, db_url, store)
         result.wait_listed(3, run_id=RUN)
         yield result
         publisher.close()
@@ -199,6 +203,32 @@ def test_an_engine_whose_version_moved_is_dropped_and_another_serves(fleet: Flee
     assert len(seen) == 1
     ((engine_id, version),) = seen
     assert engine_id != a_id and version == 1
+
+
+def test_a_lapsed_candidate_set_is_asked_for_again(fleet: Fleet) -> None:
+    # A second control plane on the same database, whose sets are valid for 0.2 s.
+    brief = start_controlplane(
+        fleet.group, fleet.db_url, fleet.store, env={"TETHER_ROUTE_SET_VALID_S": "0.2"}
+    )
+
+    async def scenario() -> tuple[int, int]:
+        async with RolloutClient(
+            brief.url, brief.tokens["client"], run_id=RUN, direct=True
+        ) as client:
+            assert client.direct is not None
+            end = time.monotonic() + DEADLINE_S
+            while client.direct.stats.route_lookups < 3:
+                assert time.monotonic() < end, "the candidate set was never asked for again"
+                answer = await client.generate("3+3=", exact_version=1)
+                assert answer.weight_version_start == 1
+            return client.direct.stats.route_lookups, client.direct.stats.engines_dropped
+
+    try:
+        lookups, dropped = asyncio.run(scenario())
+    finally:
+        brief.process.stop()
+    assert lookups == 3
+    assert dropped == 0  # so each new ask came from a set that had lapsed
 
 
 def test_the_direct_client_raises_the_same_refusals(fleet: Fleet) -> None:
