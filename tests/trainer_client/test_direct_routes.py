@@ -5,19 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import random
-import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import pytest
-import torch
 
 from demo.local_fleet import LocalControlPlane, start_controlplane
-from launcher.processes import ManagedProcess, ProcessGroup, free_port
+from launcher.processes import ManagedProcess, ProcessGroup
+from tests.standins.joined import publish_chain, start_joined
 from trainer_client.direct_routes import pick_less_loaded
 from trainer_client.publisher import Publisher
 from trainer_client.rollout_client import (
@@ -27,7 +25,6 @@ from trainer_client.rollout_client import (
 )
 from wire import Precision, RouteCandidate
 
-ROOT = Path(__file__).resolve().parents[2]
 RUN = "direct"
 DEADLINE_S = 30.0
 # Long enough that a candidate set outlives an engine's version move within one test.
@@ -80,24 +77,12 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             store,
             env={"TETHER_ROUTE_SET_VALID_S": str(VALID_FOR_S)},
         )
-        publisher = Publisher(store, RUN, cp.url, cp.tokens["trainer"], progress=False)
-        weights = {"w": torch.zeros(8, 8)}
-        publisher.claim(0, weights)
-        for version in (1, 2, 3):
-            weights["w"][0, 0] = float(version)
-            publisher.publish(weights)
-        engines = {}
-        for name, precision, version in (("a", "bf16", 1), ("b", "bf16", 1), ("c", "fp8", 2)):
-            port = free_port()
-            engines[name] = group.start(
-                f"standin-{name}",
-                [sys.executable, "-m", "tests.standins.engine", "--port", str(port),
-                 "--version", str(version), "--precision", precision, "--delay-s", "0.02",
-                 "--controlplane", cp.url, "--token", cp.tokens["engine"], "--run-id", RUN,
-                 "--heartbeat-s", "0.2"],
-                url=f"http://127.0.0.1:{port}",
-                cwd=ROOT,
-            )  # fmt: skip
+        publisher = publish_chain(store, RUN, cp)
+        engines = {
+            name: start_joined(group, f"standin-{name}", cp, RUN, version=version,
+                               precision=precision, extra=("--delay-s", "0.02"))
+            for name, precision, version in (("a", "bf16", 1), ("b", "bf16", 1), ("c", "fp8", 2))
+        }  # fmt: skip
         for engine in engines.values():
             engine.wait_http("/health", deadline_s=DEADLINE_S)
         result = Fleet(cp, publisher, engines, group, db_url, store)

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import pytest
@@ -16,6 +14,7 @@ import torch
 from demo.local_fleet import LocalControlPlane, start_controlplane
 from launcher.processes import ManagedProcess, ProcessGroup, free_port
 from store.types import VersionConstraint
+from tests.standins.joined import publish_chain, start_joined
 from trainer_client.publisher import Publisher
 from trainer_client.rollout_client import (
     PrecisionUnavailable,
@@ -28,7 +27,6 @@ from trainer_client.rollout_client import (
 )
 from trainer_client.rollout_result import Delivery, parse_chat, parse_generate
 
-ROOT = Path(__file__).resolve().parents[2]
 RUN = "rollouts"
 DEADLINE_S = 30.0
 
@@ -63,24 +61,12 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     store = str(root / "store")
     with ProcessGroup(root / "logs") as group:
         cp = start_controlplane(group, f"sqlite:///{root / 'cp.db'}", store)
-        publisher = Publisher(store, RUN, cp.url, cp.tokens["trainer"], progress=False)
-        weights = {"w": torch.zeros(8, 8)}
-        publisher.claim(0, weights)
-        for version in (1, 2, 3):
-            weights["w"][0, 0] = float(version)
-            publisher.publish(weights)
-        engines = {}
-        for precision, version in (("bf16", 1), ("fp8", 2)):
-            port = free_port()
-            engines[precision] = group.start(
-                f"standin-{precision}",
-                [sys.executable, "-m", "tests.standins.engine", "--port", str(port),
-                 "--version", str(version), "--precision", precision,
-                 "--controlplane", cp.url, "--token", cp.tokens["engine"], "--run-id", RUN,
-                 "--heartbeat-s", "0.2"],
-                url=f"http://127.0.0.1:{port}",
-                cwd=ROOT,
-            )  # fmt: skip
+        publisher = publish_chain(store, RUN, cp)
+        engines = {
+            precision: start_joined(group, f"standin-{precision}", cp, RUN, version=version,
+                                    precision=precision)
+            for precision, version in (("bf16", 1), ("fp8", 2))
+        }  # fmt: skip
         for engine in engines.values():
             engine.wait_http("/health", deadline_s=DEADLINE_S)
         result = Fleet(cp, publisher, engines)
