@@ -105,8 +105,11 @@ def fleet(tiny: TinyCheckpoints, tmp_path_factory: pytest.TempPathFactory) -> It
     engines = {
         name: launch_reference_engine(tiny.bf16, root / f"engine-{name}.log") for name in "abc"
     }
-    # Long leases: a peer stopped with SIGSTOP stays in plans while C tries it.
-    cp = start_controlplane(root, {"TETHER_LEASE_SECONDS": "60"})
+    # Long leases: a peer stopped with SIGSTOP stays in plans while C tries it. A peer that
+    # a test's engine reports (bad bytes, a stall) is left out of plans for a short while
+    # only: the reporting test's pass drops it by itself, and with the default 60 s a later
+    # test whose plan needs A and B waited the suspicion out (40 s of 46 in a module run).
+    cp = start_controlplane(root, {"TETHER_LEASE_SECONDS": "60", "TETHER_PEER_SUSPECT_S": "3"})
     chain = VersionChain(root / "store", RUN, tiny.bf16)
     reply = cp.call("POST", "/v1/runs", "trainer", json={"run_id": RUN})
     assert reply.status_code == 201, reply.text
