@@ -42,6 +42,7 @@ from controlplane.errors import (
     RunUnknown,
     install_handlers,
 )
+from controlplane.fleet import STALE_AFTER_S
 from controlplane.hotpath import ControlPlaneApp, HotLane, HotPath
 from controlplane.middleware import BodyLimit, RequestMetrics
 from controlplane.outage import install_outage_handlers
@@ -416,7 +417,7 @@ def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:
 
         async def check() -> int | None:
             snap = cp.fleet.snapshot
-            if engine_id not in snap.engines and snap.built_at < time.time() - 5:
+            if engine_id not in snap.engines and snap.built_at < time.time() - STALE_AFTER_S:
                 return None
             target = snap.target_for(engine_id, run_id)
             return target if target is not None and target != after else None

@@ -101,7 +101,7 @@ class Fleet:
         return held
 
     def install(self, snap: FleetSnapshot) -> None:
-        self.snapshot = snap
+        previous, self.snapshot = self.snapshot, snap
         self.outage.view_refreshed(snap.built_at)
         self.metrics.observe_fleet(snap)
         for observe in self.observers:
@@ -109,7 +109,7 @@ class Fleet:
                 observe(snap)
             except Exception:
                 log.exception("a fleet observer failed on a new snapshot")
-        if self._changed is not None:
+        if self._changed is not None and _answers_may_differ(previous, snap):
             changed, self._changed = self._changed, asyncio.Event()
             changed.set()
 
@@ -170,12 +170,17 @@ class Fleet:
         self.call_soon(self.mark_dirty)
 
     async def wait_changed(self, timeout: float) -> None:
-        """Return after the next snapshot swap, or after `timeout` seconds."""
+        """Return after the next snapshot swap that may change an engine's target (which
+        engines are leased, their targets, a run's latest version), or after `timeout`
+        seconds."""
         if self._changed is None:
             await asyncio.sleep(timeout)
             return
+        # A timer, not `wait_for`'s task per waiter: every waiting long-poll comes back here
+        # after each wake-up.
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._changed.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await self._changed.wait()
 
     def note_exact(self, run_id: str, version: int) -> None:
         """An exact-version request arrived; keep_pinned reads this demand."""
@@ -186,3 +191,24 @@ class Fleet:
         self._pending_demand[key] = time.time()
         if first:
             self.mark_dirty()
+
+
+# A snapshot older than this is stale to the target long-poll (`app.py`), which then waits
+# for a fresh one rather than answer for an engine it does not list.
+STALE_AFTER_S = 5.0
+
+
+def _answers_may_differ(before: FleetSnapshot, after: FleetSnapshot) -> bool:
+    """Whether a target long-poll could answer differently from `after` than from `before`.
+
+    Every heartbeat that changes an engine's state swaps the snapshot (up to ~20 times a
+    second during a rollout); waking every waiting long-poll on each swap cost the event
+    loop one wake-up, check and re-wait per engine per swap (at 300 engines, 6,000 a second),
+    while their answers (targets) change about once per published version."""
+    return (
+        before.targets != after.targets
+        or before.engines.keys() != after.engines.keys()
+        or {r: v.latest_version for r, v in before.runs.items()}
+        != {r: v.latest_version for r, v in after.runs.items()}
+        or after.built_at - before.built_at >= STALE_AFTER_S
+    )

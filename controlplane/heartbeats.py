@@ -3,7 +3,10 @@
 Owns the single writer task of a process: heartbeats that arrive while one batch is being
 written wait together and go into the next transaction (one commit for hundreds of
 beats), and every waiter gets its own answer: the new lease expiry or `EngineUnknown`.
-At low load a batch is a single beat, so nothing waits for a timer. Also owns the reply
+At low load a batch is a single beat, so nothing waits for a timer. The writer has a
+thread of its own: in the shared pool a batch queued behind every other route's database
+reads (at 300 engines a target long-poll's lookup each, and the snapshot's rebuilds), which
+put most of a heartbeat's time in the control plane into that queue. Also owns the reply
 (target version from the snapshot, the lease) and the "fleet changed" signal a heartbeat
 raises, and hands the fetch report a heartbeat carries to its observers. Never routes and
 never decides targets.
@@ -15,6 +18,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import orjson
 
@@ -36,7 +40,8 @@ MAX_BATCH = 500
 
 
 class GroupCommit:
-    """Batches `submit`ted beats into calls of `write` (run in a worker thread)."""
+    """Batches `submit`ted beats into calls of `write`, run in the writer's own thread
+    (between `start` and `stop`; before, or after, in the shared pool)."""
 
     def __init__(
         self,
@@ -48,13 +53,19 @@ class GroupCommit:
         self._pending: list[tuple[Beat, asyncio.Future[float | None]]] = []
         self._wake: asyncio.Event | None = None
         self._task = BackgroundTask("heartbeat-writer", self._writer)
+        self._thread: ThreadPoolExecutor | None = None
 
     async def start(self) -> None:
         self._wake = asyncio.Event()
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="heartbeat-writer")
         await self._task.start()
 
     async def stop(self) -> None:
         await self._task.stop()
+        if self._thread is not None:
+            # A batch still being written finishes in its thread; nobody waits for it.
+            self._thread.shutdown(wait=False)
+            self._thread = None
         pending, self._pending = self._pending, []
         for _, waiter in pending:
             if not waiter.done():
@@ -70,7 +81,8 @@ class GroupCommit:
         return await waiter
 
     async def _writer(self) -> None:
-        assert self._wake is not None
+        assert self._wake is not None and self._thread is not None
+        loop, thread = asyncio.get_running_loop(), self._thread
         while True:
             await self._wake.wait()
             self._wake.clear()
@@ -78,7 +90,9 @@ class GroupCommit:
                 batch = self._pending[: self._max_batch]
                 del self._pending[: self._max_batch]
                 try:
-                    results = await asyncio.to_thread(self._write, [beat for beat, _ in batch])
+                    results = await loop.run_in_executor(
+                        thread, self._write, [beat for beat, _ in batch]
+                    )
                 except Exception as exc:
                     if not isinstance(exc, ApiError):  # an outage has logged its own line
                         log.warning("writing %d heartbeats failed: %r", len(batch), exc)

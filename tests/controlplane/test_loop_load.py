@@ -1,0 +1,120 @@
+"""What keeps the control plane's event loop and heartbeats responsive at fleet scale: the
+heartbeat writer never queues behind other routes' work in the shared thread pool, and a
+snapshot swap wakes the waiting target long-polls only when an answer could change."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from controlplane.db import migrate, open_engine, session_factory
+from controlplane.fleet import Fleet
+from controlplane.heartbeats import GroupCommit
+from controlplane.metrics import Metrics
+from controlplane.registry import Registry
+from controlplane.runs import Runs
+from controlplane.snapshot import FleetSnapshot
+from wire import EngineRegister, Heartbeat, RunCreate
+
+DEADLINE_S = 30.0
+
+
+@pytest.fixture
+def stores(tmp_path: Path) -> Iterator[tuple[Registry, Runs]]:
+    url = f"sqlite:///{tmp_path / 'cp.db'}"
+    migrate(url)
+    engine = open_engine(url)
+    sessions = session_factory(engine)
+    runs = Runs(sessions, str(tmp_path))
+    runs.create(RunCreate(run_id="r"))
+    registry = Registry(sessions, lease_seconds=60.0)
+    yield registry, runs
+    registry.close()
+    engine.dispose()
+
+
+def register(registry: Registry) -> str:
+    body = EngineRegister(
+        url="http://10.0.0.1:8000",
+        run_id="r",
+        precision="bf16",
+        applied_version=0,
+        sync_state="ready",
+    )
+    return registry.register(body, None)[0]
+
+
+def test_a_heartbeat_is_committed_while_every_thread_of_the_shared_pool_is_busy(
+    stores: tuple[Registry, Runs],
+) -> None:
+    registry, _ = stores
+    engine_id = register(registry)
+    beat = Heartbeat.model_validate({"applied_version": 0, "sync_state": "ready"})
+
+    async def scenario() -> float | None:
+        loop = asyncio.get_running_loop()
+        shared = ThreadPoolExecutor(2)
+        loop.set_default_executor(shared)
+        release = threading.Event()
+        # Both threads of the shared pool held, as by slow lookups of other routes.
+        held = [asyncio.to_thread(release.wait, DEADLINE_S) for _ in range(2)]
+        busy = asyncio.gather(*held)
+        writer = GroupCommit(
+            lambda beats: registry.heartbeat_many(
+                [(e, b) for e, b, _ in beats], [o for *_, o in beats]
+            )
+        )
+        await writer.start()
+        try:
+            return await asyncio.wait_for(writer.submit((engine_id, beat, None)), DEADLINE_S)
+        finally:
+            release.set()
+            await busy
+            await writer.stop()
+
+    expires = asyncio.run(scenario())
+
+    assert expires is not None and expires > time.time() + 30
+
+
+def test_a_snapshot_swap_wakes_target_long_polls_only_when_an_answer_can_change(
+    stores: tuple[Registry, Runs],
+) -> None:
+    registry, runs = stores
+    register(registry)
+
+    async def scenario() -> None:
+        fleet = Fleet(registry, runs, Metrics(), refresh_s=3600.0)
+        await fleet.start()
+        try:
+            base = fleet.snapshot
+            assert len(base.engines) == 1
+            waiter = asyncio.ensure_future(fleet.wait_changed(DEADLINE_S))
+            for _ in range(5):  # let it start waiting
+                await asyncio.sleep(0)
+
+            # In-flight counts and staging progress move on every beat; targets do not.
+            busier = [
+                replace(e, in_flight=e.in_flight + 3, staging_progress=0.5)
+                for e in base.engines.values()
+            ]
+            fleet.install(FleetSnapshot.build(time.time(), busier, base.runs.values(), {}))
+            for _ in range(5):
+                await asyncio.sleep(0)
+            assert not waiter.done(), "a swap that changes no target woke the long-polls"
+
+            published = [replace(r, latest_version=1) for r in base.runs.values()]
+            fleet.install(FleetSnapshot.build(time.time(), busier, published, {}))
+            await asyncio.wait_for(waiter, DEADLINE_S)
+            assert set(fleet.snapshot.targets.values()) == {1}
+        finally:
+            await fleet.stop()
+
+    asyncio.run(scenario())
