@@ -105,6 +105,7 @@ def start_controlplane(
          "--port", str(port), "--log-level", "warning"],
         env=env,
         url=f"http://127.0.0.1:{port}",
+        serves_others=True,  # agents deregister with it on their way out
     )  # fmt: skip
     process.wait_http("/readyz", deadline_s=60.0)
     cp = LocalControlPlane(process.url or "", process, {"admin": admin})

@@ -9,7 +9,8 @@ Owns process lifetimes only, for the demo, the Modal replicas, the GPU check and
   deadline passes (then `ProcessFailed`, quoting the log's tail, with the child stopped);
 - `ManagedProcess.stop` ends the group: SIGTERM, then SIGKILL after a grace period;
 - `ProcessGroup` is the registry of what one owner started: on leaving its `with` block
-  (success, error, Ctrl-C or SIGTERM) it stops every child, newest first;
+  (success, error, Ctrl-C or SIGTERM) it stops every child, newest first, and the children
+  the others call (a control plane) only once the others have exited;
 - `wait_until` polls any condition with a deadline; `free_port` picks a loopback port.
 
 It never interprets what a child does beyond "does this URL answer" and "has it exited".
@@ -227,6 +228,8 @@ class ProcessGroup:
 
     log_dir: Path
     children: list[ManagedProcess] = field(default_factory=list)
+    # Children the others call on their way out (agents deregister with the control plane).
+    serving_others: list[ManagedProcess] = field(default_factory=list)
     _previous_sigterm: object = None
 
     def start(
@@ -237,17 +240,24 @@ class ProcessGroup:
         env: Mapping[str, str] | None = None,
         url: str | None = None,
         cwd: Path | None = None,
+        serves_others: bool = False,
     ) -> ManagedProcess:
-        """`start_process` with output to `<log_dir>/<name>.log`, remembered for `stop_all`."""
+        """`start_process` with output to `<log_dir>/<name>.log`, remembered for `stop_all`.
+
+        `serves_others`: the other children call this one while they stop, so it is stopped
+        only after they have exited (or their grace period ran out)."""
         child = start_process(name, argv, self.log_dir / f"{name}.log", env=env, url=url, cwd=cwd)
-        self.children.append(child)
+        (self.serving_others if serves_others else self.children).append(child)
         return child
 
     def stop_all(self, grace_s: float = 5.0) -> None:
-        """Stop every child, newest first (agents deregister before their engines go), and
-        forget them: a second call signals nothing (their process ids may be reused)."""
+        """Stop every child, newest first (agents deregister before their engines go), then
+        those serving the others, and forget them: a second call signals nothing (their
+        process ids may be reused)."""
         stop_all(reversed(self.children), grace_s)
         self.children.clear()
+        stop_all(reversed(self.serving_others), grace_s)
+        self.serving_others.clear()
 
     def __enter__(self) -> ProcessGroup:
         self._previous_sigterm = signal.getsignal(signal.SIGTERM)

@@ -93,7 +93,14 @@ def test_router_bench_runs_at_a_tiny_size_and_ends_with_its_json_figures() -> No
         "route_decision_us_1000",
         "heartbeat_p99_ms_sqlite",
         "heartbeat_p99_ms_postgres",
+        "direct_client_rps",
+        "direct_client_rps_over_rust",
+        "direct_client_route_lookups",
     ):
         assert key in figures  # fmt: skip
     assert figures["router_rps"] > 0
+    # The direct client served its requests and asked the control plane for candidates (how
+    # often depends on the machine's speed against the set's 1 s validity, so only >= 1).
+    assert figures["direct_client_rps"] > 0
+    assert figures["direct_client_route_lookups"] >= 1
     assert figures["heartbeat_p99_ms_sqlite"] > 0

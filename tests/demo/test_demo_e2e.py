@@ -71,6 +71,10 @@ def test_short_demo_trains_publishes_and_keeps_every_rollout_within_its_constrai
     kinds = [store.read_manifest(VersionRef("e2e", v)).kind for v in range(4)]
     assert kinds[0] is VersionKind.FULL and kinds[1:].count(VersionKind.DELTA) >= 2
     assert wait_gone(workdir) == []
+    # The control plane stopped only after the agents: each one deregistered on its way out.
+    agent_logs = sorted((workdir / "runs" / "e2e" / "logs").glob("agent-*.log"))
+    assert len(agent_logs) == 3
+    assert [p.name for p in agent_logs if "could not deregister" in p.read_text()] == []
 
 
 @pytest.mark.slow
