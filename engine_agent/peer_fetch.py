@@ -82,6 +82,7 @@ class PeerFetch:
         peers: bool = True,
         wait_s: float = 30.0,
         stall_s: float = 5.0,
+        first_plan_wait_s: float = 30.0,
     ) -> None:
         self.control = control
         self.engine_id = engine_id
@@ -93,6 +94,7 @@ class PeerFetch:
         self.peers = peers
         self.wait_s = wait_s
         self.stall_s = stall_s
+        self.first_plan_wait_s = first_plan_wait_s
         # The fetch plan of the pass under way (`begin`), until `relayed` takes it.
         self._plans: dict[int, asyncio.Task[FetchPlan | None]] = {}
         # The last plan the control plane gave: its fetching peers stand in for a plan that
@@ -151,7 +153,11 @@ class PeerFetch:
         deadline = time.monotonic() + PLAN_RETRY_S
         pause = _PLAN_BACKOFF_FIRST_S
         while True:
-            engine_id = await self._registered_id(deadline)
+            engine_id = self.engine_id()
+            if engine_id is None:
+                engine_id = await self._registered_id(deadline)
+                if engine_id is not None:  # the tries for a plan start from the new id
+                    deadline = max(deadline, time.monotonic() + PLAN_RETRY_S)
             if engine_id is None:
                 failure = "this engine is not registered"
             else:
@@ -174,11 +180,15 @@ class PeerFetch:
     async def _registered_id(self, deadline: float) -> str | None:
         """This engine's id; while it has none (a new agent's first catch-up starts beside
         its registration, or the control plane forgot it and it registers again), wait for
-        one until `deadline` (at least `_REGISTRATION_WAIT_S` from now)."""
+        one until `deadline`, and at least `first_plan_wait_s` from now before any plan was
+        had (a new agent), `_REGISTRATION_WAIT_S` after."""
         engine_id = self.engine_id()
         if engine_id is not None or self.registered is None:
             return engine_id
-        wait_s = max(deadline - time.monotonic(), _REGISTRATION_WAIT_S)
+        patience = _REGISTRATION_WAIT_S
+        if self.last_plan is None:
+            patience = max(patience, self.first_plan_wait_s)
+        wait_s = max(deadline - time.monotonic(), patience)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(wait_s):
                 await self.registered.wait()

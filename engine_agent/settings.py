@@ -76,6 +76,12 @@ class AgentSettings(BaseSettings):
     # long a transfer may deliver nothing before the peer counts as stalled.
     peer_wait_s: float = Field(default=30.0, ge=0)
     peer_stall_s: float = Field(default=5.0, gt=0)
+    # How long a new agent's first catch-up waits for its registration, and so for a fetch
+    # plan, before it reads everything from the store (later passes wait 5 s for a new id).
+    # An engine is routed to only once registered, so waiting costs no serving time; a
+    # fleet started together under a slow control plane would otherwise read each version
+    # from the store once per engine. 0: never wait longer than later passes.
+    peer_first_plan_wait_s: float = Field(default=30.0, ge=0)
     # Serving: concurrent uploads, their shared bandwidth (bytes/s, 0: unlimited), and how
     # many versions back from the applied one the fetched files are kept to serve.
     peer_upload_slots: int = Field(default=8, ge=1)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +52,7 @@ RUN = "peer-run"
 CATCH_UP_S = 90.0
 # C gives up on a silent peer quickly: the stall test needs no long wait.
 QUICK_PEERS = {"TETHER_AGENT_PEER_WAIT_S": "1", "TETHER_AGENT_PEER_STALL_S": "1"}
+PAST_REGISTRATION_WAIT_S = peer_fetch._REGISTRATION_WAIT_S + 2.0
 
 
 @dataclass
@@ -215,6 +217,39 @@ def test_a_late_engine_whose_plan_requests_fail_asks_again_and_fetches_from_its_
     # Asked again, the plan named A and B and came with the claim and index: nothing
     # from the store (answering the first failure with the store read it all).
     assert bytes_from.get("store", 0) == 0
+    assert engine_checksum(fleet.engines["c"]) == weights_checksum(
+        fleet.chain.torch_tensors(version)
+    )
+
+
+def test_a_new_engine_registered_late_waits_for_its_first_plan_and_fetches_from_its_peers(
+    fleet: PeerFleet,
+) -> None:
+    version = fleet.publish("full")
+    for name in "ab":
+        wait_applied(fleet.agents[name], version, CATCH_UP_S)
+    # C starts while its control plane is out of reach (an overloaded one at a fleet's
+    # start-up): it follows the store pointer and begins its catch-up unregistered.
+    with ResettingProxy(fleet.cp.url) as proxy:
+        proxy.partition()
+        agent = fleet.start_late_agent(control_url=proxy.url)
+        try:
+            wait_until(
+                lambda: server_info(agent)["staging_target"] == version,
+                CATCH_UP_S,
+                "C to begin its catch-up",
+            )
+            # The scenario, not a synchronisation: the registration comes later than the
+            # 5 s a pass waits for a new id once the agent has had a plan.
+            time.sleep(PAST_REGISTRATION_WAIT_S)
+            proxy.heal()
+            wait_applied(agent, version, CATCH_UP_S)
+            bytes_from = pass_for(agent, version)["bytes_from"]
+        finally:
+            fleet.agents.pop("c").stop()
+    # It waited for its id and a plan instead of reading the version from the store.
+    assert bytes_from.get("store", 0) == 0
+    assert sum(bytes_from.values()) > 0
     assert engine_checksum(fleet.engines["c"]) == weights_checksum(
         fleet.chain.torch_tensors(version)
     )
