@@ -417,7 +417,7 @@ def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:
 
         async def check() -> int | None:
             snap = cp.fleet.snapshot
-            if engine_id not in snap.engines and snap.built_at < time.time() - STALE_AFTER_S:
+            if engine_id not in snap.engines and snap.read_at < time.time() - STALE_AFTER_S:
                 return None
             target = snap.target_for(engine_id, run_id)
             return target if target is not None and target != after else None

@@ -5,6 +5,14 @@ Owns the snapshot swap, the refresher task (reload from the shared database ever
 in-flight counts, and the buffer of exact-version demand it writes back for `keep_pinned`.
 Everything here can be rebuilt from the database within a second: no replica keeps
 anything essential only in memory.
+
+A heartbeat this process committed that changes its engine's state does not reload the
+database: the refresher patches the engine's row into the current snapshot
+(`FleetSnapshot.patched`). During a rollout such beats come several times a second, and a
+reload reads every leased engine's row (~16 us of CPU per engine, 70 % of a rebuild, at
+1,000 engines), while the beat already holds all the row would change. Registrations,
+deregistrations, publications, policy changes and demand still reload at once, and a reload
+still comes every `snapshot_refresh_s` (the other replicas' writes).
 """
 
 from __future__ import annotations
@@ -15,14 +23,15 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import replace
 
 from controlplane.catalog import Catalog
 from controlplane.metrics import Metrics
 from controlplane.outage import Outage, is_database_down
 from controlplane.registry import Registry
 from controlplane.runs import Runs
-from controlplane.snapshot import FleetSnapshot, RunView
-from wire import PolicyKind
+from controlplane.snapshot import EngineView, FleetSnapshot, RunView
+from wire import Heartbeat, PolicyKind
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +60,11 @@ class Fleet:
         metrics.watch_in_flight(self.in_flight)
         self._pending_demand: dict[tuple[str, int], float] = {}
         self._dirty: asyncio.Event | None = None
+        # Set with `_dirty` when the next refresh must read the database (not only patch).
+        self._reread = False
+        # Heartbeats committed here since the snapshot's read, in commit order, to patch in.
+        self._beats: list[tuple[str, Heartbeat, float]] = []
+        self._last_read = 0.0  # time.monotonic() when the last read was installed
         self._changed: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -102,7 +116,7 @@ class Fleet:
 
     def install(self, snap: FleetSnapshot) -> None:
         previous, self.snapshot = self.snapshot, snap
-        self.outage.view_refreshed(snap.built_at)
+        self.outage.view_refreshed(snap.read_at)
         self.metrics.observe_fleet(snap)
         for observe in self.observers:
             try:
@@ -114,8 +128,28 @@ class Fleet:
             changed.set()
 
     async def refresh(self) -> FleetSnapshot:
+        """Read the database and install the snapshot (on the event loop)."""
+        # Beats noted so far were committed before this read began: it holds them.
+        covered = len(self._beats)
         self.install(await asyncio.to_thread(self.load))
+        self._last_read = time.monotonic()
+        self.metrics.fleet_snapshots.labels("read").inc()
+        del self._beats[:covered]
         return self.snapshot
+
+    def patch(self) -> None:
+        """Install the snapshot with the heartbeats noted since its read patched in (on
+        the event loop; no database)."""
+        beats, self._beats = self._beats, []
+        engines = self.snapshot.engines
+        views: dict[str, EngineView] = {}
+        for engine_id, beat, expires in beats:
+            seen = views.get(engine_id) or engines.get(engine_id)
+            if seen is not None:
+                views[engine_id] = _beaten(seen, beat, expires, self.registry.lease_seconds)
+        if views:
+            self.install(self.snapshot.patched(time.time(), views.values()))
+            self.metrics.fleet_snapshots.labels("patch").inc()
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -135,12 +169,24 @@ class Fleet:
     async def _refresher(self) -> None:
         assert self._dirty is not None
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._dirty.wait(), self.refresh_s)
+            due = self._last_read + self.refresh_s - time.monotonic()
+            if due > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._dirty.wait(), due)
             self._dirty.clear()
             try:
-                await self.refresh()
+                if (
+                    self._reread
+                    or time.monotonic() - self._last_read >= self.refresh_s
+                    # An outage or its thaw: only a read brings the renewed leases.
+                    or not self.outage.settled()
+                ):
+                    self._reread = False
+                    await self.refresh()
+                else:
+                    self.patch()
             except Exception as exc:
+                self._last_read = time.monotonic()  # the next try after `refresh_s`
                 if is_database_down(exc):
                     # Routing goes on from the last snapshot (see `lease_clock`).
                     self.outage.failed(exc, "fleet refresh")
@@ -156,8 +202,17 @@ class Fleet:
     # -------------------------------------------------------------- signals
 
     def mark_dirty(self) -> None:
-        """This process changed fleet state: refresh soon rather than on the next tick."""
+        """This process changed fleet state: read the database soon rather than on the
+        next tick."""
         if self._dirty is not None:
+            self._reread = True
+            self._dirty.set()
+
+    def note_beat(self, engine_id: str, beat: Heartbeat, expires: float) -> None:
+        """This process committed `beat` (lease until `expires`), which changes the state
+        the snapshot shows for `engine_id`: patch it in soon (on the event loop)."""
+        if self._dirty is not None:
+            self._beats.append((engine_id, beat, expires))
             self._dirty.set()
 
     def call_soon(self, callback: Callable[[], None]) -> None:
@@ -210,5 +265,24 @@ def _answers_may_differ(before: FleetSnapshot, after: FleetSnapshot) -> bool:
         or before.engines.keys() != after.engines.keys()
         or {r: v.latest_version for r, v in before.runs.items()}
         != {r: v.latest_version for r, v in after.runs.items()}
-        or after.built_at - before.built_at >= STALE_AFTER_S
+        or after.read_at - before.read_at >= STALE_AFTER_S
+    )
+
+
+def _beaten(seen: EngineView, beat: Heartbeat, expires: float, lease_s: float) -> EngineView:
+    """`seen` as `Registry.heartbeat_many` leaves its row after committing `beat`."""
+    if seen.staging_target == beat.staging_target and seen.staging_started_at is not None:
+        started = seen.staging_started_at
+    else:
+        started = expires - lease_s if beat.staging_target is not None else None
+    return replace(
+        seen,
+        applied_version=beat.applied_version,
+        sync_state=beat.sync_state,
+        staging_target=beat.staging_target,
+        staging_progress=beat.staging_progress,
+        staging_started_at=started,
+        in_flight=beat.in_flight,
+        last_error=beat.last_error,
+        lease_expires_at=expires,
     )

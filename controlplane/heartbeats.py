@@ -149,13 +149,14 @@ class Heartbeats:
             raise EngineUnknown(f"engine {engine_id!r} is not registered: register again")
         snap = self.fleet.snapshot
         seen = snap.engines.get(engine_id)
-        if (
-            seen is None
-            or seen.applied_version != beat.applied_version
+        if seen is None:
+            self.fleet.mark_dirty()
+        elif (
+            seen.applied_version != beat.applied_version
             or seen.sync_state != beat.sync_state
             or seen.staging_target != beat.staging_target
         ):
-            self.fleet.mark_dirty()
+            self.fleet.note_beat(engine_id, beat, expires)
         if seen is not None and beat.fetched is not None:
             for observer in self.fetch_observers:
                 observer(seen, beat.fetched)

@@ -65,6 +65,13 @@ class Metrics:
             ["peers"],
             registry=self.registry,
         )
+        self.fleet_snapshots = Counter(
+            "tether_fleet_snapshots_total",
+            "Fleet snapshots installed: read from the database whole, or patched with this "
+            "process's heartbeats",
+            ["how"],
+            registry=self.registry,
+        )
         self.decision = LoopHistogram(
             "tether_routing_decision_seconds",
             "Time to choose an engine from the in-memory snapshot",

@@ -104,6 +104,10 @@ class Outage:
             if self._thawing is not None and built_at >= self._thawing[1]:
                 self._thawing = None
 
+    def settled(self) -> bool:
+        """No outage, and no thaw waiting for a snapshot read after the lease renewal."""
+        return self.since is None and self._thawing is None
+
     def lease_clock(self) -> float:
         """The time the router compares leases with: frozen at the start of an outage,
         for at most `stale_view_s`, so the last known fleet keeps serving; and after it,

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import xxhash
 
-from controlplane.policy import PolicyEngine, assign_targets
+from controlplane.policy import PolicyEngine, active_pins, assign_targets
 from store.types import VersionConstraint
 from wire import SERVING_STATES, Precision, SyncState, TargetPolicy
 
@@ -89,6 +89,10 @@ class FleetSnapshot:
     # The versions the store still holds, for the runs whose policy pins old versions
     # (absent: not listed, e.g. follow_latest runs or an unreadable store).
     available: dict[str, frozenset[int]] = field(default_factory=dict)
+    # When the engines' rows were read from the database: `built_at` for a snapshot read
+    # whole, the read it was patched from for one `patched` with this process's heartbeats
+    # (whose other engines, and the other replicas' writes, are only as fresh as that read).
+    read_at: float = 0.0
 
     @classmethod
     def empty(cls) -> FleetSnapshot:
@@ -126,6 +130,13 @@ class FleetSnapshot:
             if run is None:
                 targets.update({e.engine_id: None for e in members})
                 continue
+            if not active_pins(
+                run.policy, run.latest_version, demand.get(run_id, {}), now, available.get(run_id)
+            ):
+                # What `assign_targets` answers without pins, without a PolicyEngine per
+                # engine (most of a rebuild's own time at 1,000 engines).
+                targets.update(dict.fromkeys((e.engine_id for e in members), run.latest_version))
+                continue
             targets.update(
                 assign_targets(
                     run.policy,
@@ -151,7 +162,22 @@ class FleetSnapshot:
             targets,
             {k: dict(v) for k, v in demand.items()},
             available,
+            read_at=now,
         )
+
+    def patched(self, now: float, views: Iterable[EngineView]) -> FleetSnapshot:
+        """This snapshot with `views` in place of the engines of the same id (engines it
+        does not list are left out: only a read adds engines), indices and targets rebuilt,
+        and leases lapsed by `now` left out, as a read at `now` would. Keeps `read_at`."""
+        engines = dict(self.engines)
+        for view in views:
+            if view.engine_id in engines:
+                engines[view.engine_id] = view
+        snap = FleetSnapshot.build(
+            now, engines.values(), self.runs.values(), self.demand, self.available
+        )
+        snap.read_at = self.read_at
+        return snap
 
     def run_engines(self, run_id: str) -> list[EngineView]:
         return [e for e in self.engines.values() if e.run_id == run_id]

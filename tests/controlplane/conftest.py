@@ -110,7 +110,7 @@ class Api:
         """Wait until the app's fleet snapshot reflects every write made so far."""
         app = self.client.app
         mark = time.time()
-        wait_until(lambda: app.state.cp.fleet.snapshot.built_at > mark, 5.0, "a fresh snapshot")
+        wait_until(lambda: app.state.cp.fleet.snapshot.read_at > mark, 5.0, "a fresh snapshot")
 
 
 def make_settings(db_url: str, store_root: Path, **overrides: Any) -> Any:

@@ -1,6 +1,7 @@
 """What keeps the control plane's event loop and heartbeats responsive at fleet scale: the
-heartbeat writer never queues behind other routes' work in the shared thread pool, and a
-snapshot swap wakes the waiting target long-polls only when an answer could change."""
+heartbeat writer never queues behind other routes' work in the shared thread pool, a
+snapshot swap wakes the waiting target long-polls only when an answer could change, and
+this process's heartbeats are patched into the snapshot rather than read back whole."""
 
 from __future__ import annotations
 
@@ -16,11 +17,13 @@ import pytest
 
 from controlplane.db import migrate, open_engine, session_factory
 from controlplane.fleet import Fleet
-from controlplane.heartbeats import GroupCommit
+from controlplane.heartbeats import GroupCommit, Heartbeats
 from controlplane.metrics import Metrics
 from controlplane.registry import Registry
+from controlplane.router import eligible
 from controlplane.runs import Runs
 from controlplane.snapshot import FleetSnapshot
+from store.types import VersionConstraint
 from wire import EngineRegister, Heartbeat, RunCreate
 
 DEADLINE_S = 30.0
@@ -40,9 +43,9 @@ def stores(tmp_path: Path) -> Iterator[tuple[Registry, Runs]]:
     engine.dispose()
 
 
-def register(registry: Registry) -> str:
+def register(registry: Registry, host: int = 1) -> str:
     body = EngineRegister(
-        url="http://10.0.0.1:8000",
+        url=f"http://10.0.0.{host}:8000",
         run_id="r",
         precision="bf16",
         applied_version=0,
@@ -115,6 +118,72 @@ def test_a_snapshot_swap_wakes_target_long_polls_only_when_an_answer_can_change(
             await asyncio.wait_for(waiter, DEADLINE_S)
             assert set(fleet.snapshot.targets.values()) == {1}
         finally:
+            await fleet.stop()
+
+    asyncio.run(scenario())
+
+
+def snapshots(metrics: Metrics, how: str) -> float:
+    found = metrics.registry.get_sample_value("tether_fleet_snapshots_total", {"how": how})
+    return found or 0.0
+
+
+def test_a_burst_of_state_changing_heartbeats_is_patched_in_without_reading_the_fleet_back(
+    stores: tuple[Registry, Runs],
+) -> None:
+    registry, runs = stores
+    engine_ids = [register(registry, host) for host in range(1, 4)]
+    last = 8
+
+    async def scenario() -> None:
+        metrics = Metrics()
+        fleet = Fleet(registry, runs, metrics, refresh_s=3600.0)
+        heartbeats = Heartbeats(registry, runs, fleet, fleet.outage)
+        await fleet.start()
+        await heartbeats.writer.start()
+        try:
+            assert snapshots(metrics, "read") == 1  # the start's
+            # A rollout's burst: each engine stages every version, then serves it.
+            for version in range(1, last + 1):
+                for state, applied, staging in (
+                    ("syncing", version - 1, version),
+                    ("ready", version, None),
+                ):
+                    beat = Heartbeat.model_validate(
+                        {
+                            "applied_version": applied,
+                            "sync_state": state,
+                            "staging_target": staging,
+                            "in_flight": version,
+                        }
+                    )
+                    await asyncio.gather(*(heartbeats.answer(e, beat) for e in engine_ids))
+            deadline = time.monotonic() + DEADLINE_S
+            while {e.applied_version for e in fleet.snapshot.engines.values()} != {last}:
+                assert time.monotonic() < deadline, "the beats never reached the snapshot"
+                await asyncio.sleep(0.01)
+
+            # 48 state changes, and the database was read only at the start.
+            assert snapshots(metrics, "read") == 1
+            assert 1 <= snapshots(metrics, "patch") <= 2 * last * len(engine_ids)
+            # The patched snapshot routes and answers as a read of the database would.
+            snap = fleet.snapshot
+            read = fleet.load()
+            assert snap.engines == read.engines
+            assert snap.targets == read.targets
+            routable = eligible(snap, "r", VersionConstraint(min_version=last), now=time.time())
+            assert sorted(e.engine_id for e in routable) == sorted(engine_ids)
+
+            # A registration is not a heartbeat: it reads the database at once.
+            newcomer = register(registry, 9)
+            fleet.mark_dirty()
+            deadline = time.monotonic() + DEADLINE_S
+            while newcomer not in fleet.snapshot.engines:
+                assert time.monotonic() < deadline, "the registration never reached the snapshot"
+                await asyncio.sleep(0.01)
+            assert snapshots(metrics, "read") == 2
+        finally:
+            await heartbeats.writer.stop()
             await fleet.stop()
 
     asyncio.run(scenario())

@@ -171,3 +171,23 @@ def test_keep_pinned_through_the_api_pins_engines_while_exact_requests_arrive(ap
     wait_until(pinned_two, 10.0, "two engines pinned to v2")
     # Demand stops: after the window every engine follows latest again.
     wait_until(lambda: sorted(targets().values()) == [3, 3, 3, 3], 10.0, "the pin to lapse")
+
+
+def test_a_patched_snapshot_replaces_only_listed_engines_and_leaves_out_lapsed_leases() -> None:
+    read = FleetSnapshot.build(
+        100.0,
+        [_engine("a", 1, lease_expires_at=110.0), _engine("b", 1, lease_expires_at=110.0)],
+        [RunView("r", 2, 100.0, TargetPolicy())],
+        {},
+    )
+
+    patched = read.patched(
+        120.0,
+        [_engine("a", 2, lease_expires_at=130.0), _engine("stranger", 2, lease_expires_at=130.0)],
+    )
+
+    assert set(patched.engines) == {"a"}  # b's lease lapsed at 110; a patch adds no engine
+    assert patched.engines["a"].applied_version == 2
+    assert patched.groups[("r", Precision.BF16)].versions == [2]
+    assert patched.targets == {"a": 2}
+    assert (patched.read_at, patched.built_at) == (100.0, 120.0)
