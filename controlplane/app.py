@@ -408,12 +408,7 @@ def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:
         _: Role = Depends(role(ENGINE)),
     ) -> TargetReply:
         arrived = time.time()
-        rows = await asyncio.to_thread(cp.registry.rows, engine_id)
-        if not rows:
-            raise EngineUnknown(
-                f"engine {engine_id!r} is not registered or its lease lapsed: register again"
-            )
-        run_id = rows[0].run_id
+        run_id = await cp.fleet.engine_run(engine_id)
 
         async def check() -> int | None:
             snap = cp.fleet.snapshot
@@ -438,7 +433,7 @@ def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:
     def deregister_engine(engine_id: str, owner: str | None = Depends(engine_owner)) -> Response:
         """Remove an engine; only the token that registered it (or an admin) may (403)."""
         cp.registry.deregister(engine_id, owner)
-        cp.fleet.poke()
+        cp.fleet.note_departed(engine_id)
         return Response(status_code=204)
 
     @app.get("/v1/engines", response_model=EngineList, tags=["engines"])

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from controlplane.catalog import Catalog
+from controlplane.errors import EngineUnknown
 from controlplane.metrics import Metrics
 from controlplane.outage import Outage, is_database_down
 from controlplane.registry import Registry
@@ -65,6 +66,8 @@ class Fleet:
         # Heartbeats committed here since the snapshot's read, in commit order, to patch in.
         self._beats: list[tuple[str, Heartbeat, float]] = []
         self._last_read = 0.0  # time.monotonic() when the last read was installed
+        # Engines deregistered here since the snapshot's read (appended from route threads).
+        self._departed: list[str] = []
         self._changed: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -129,12 +132,13 @@ class Fleet:
 
     async def refresh(self) -> FleetSnapshot:
         """Read the database and install the snapshot (on the event loop)."""
-        # Beats noted so far were committed before this read began: it holds them.
-        covered = len(self._beats)
+        # Beats and deregistrations noted so far were committed before this read began.
+        covered, departed = len(self._beats), len(self._departed)
         self.install(await asyncio.to_thread(self.load))
         self._last_read = time.monotonic()
         self.metrics.fleet_snapshots.labels("read").inc()
         del self._beats[:covered]
+        del self._departed[:departed]
         return self.snapshot
 
     def patch(self) -> None:
@@ -214,6 +218,33 @@ class Fleet:
         if self._dirty is not None:
             self._beats.append((engine_id, beat, expires))
             self._dirty.set()
+
+    def note_departed(self, engine_id: str) -> None:
+        """This process deregistered `engine_id` (committed; safe from worker threads)."""
+        self._departed.append(engine_id)
+        self.poke()
+
+    async def engine_run(self, engine_id: str) -> str:
+        """The run of a leased engine; `EngineUnknown` if it has no row or its lease lapsed.
+
+        From the snapshot where it shows the engine leased now (a lease alive there is
+        alive in the database too: leases only move forward), so the target long-poll and
+        the fetch plan, one per engine per version, read no row; from the database for an
+        engine registered since the read, or deregistered here since (one deregistered
+        through another replica is seen with that replica's writes, on the next read)."""
+        seen = self.snapshot.engines.get(engine_id)
+        if (
+            seen is not None
+            and seen.lease_expires_at > time.time()
+            and engine_id not in self._departed
+        ):
+            return seen.run_id
+        rows = await asyncio.to_thread(self.registry.rows, engine_id)
+        if not rows:
+            raise EngineUnknown(
+                f"engine {engine_id!r} is not registered or its lease lapsed: register again"
+            )
+        return str(rows[0].run_id)
 
     def call_soon(self, callback: Callable[[], None]) -> None:
         """Run `callback` on the event loop; safe from worker threads (sync routes)."""

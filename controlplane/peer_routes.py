@@ -16,7 +16,6 @@ version (`controlplane/planning_files.py`). These routes never log a token.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -24,7 +23,6 @@ from fastapi import Depends, FastAPI, Query
 from fastapi.responses import Response
 
 from controlplane.auth import ANY_ROLE, ENGINE
-from controlplane.errors import EngineUnknown
 from controlplane.fetch_plan import plan_fetch
 from controlplane.services import Services
 from wire import MAX_INT, Role
@@ -36,17 +34,6 @@ RoleDependency = Callable[[frozenset[Role]], Callable[..., Coroutine[Any, Any, R
 def install(app: FastAPI, cp: Services, role: RoleDependency) -> None:
     """Add the peer-fetch routes to `app`."""
     settings = cp.settings
-
-    async def run_of(engine_id: str) -> str:
-        engine = cp.fleet.snapshot.engines.get(engine_id)
-        if engine is not None:
-            return engine.run_id
-        rows = await asyncio.to_thread(cp.registry.rows, engine_id)
-        if not rows:
-            raise EngineUnknown(
-                f"engine {engine_id!r} is not registered or its lease lapsed: register again"
-            )
-        return str(rows[0].run_id)
 
     @app.get(
         "/v1/engines/{engine_id}/fetch-plan",
@@ -73,7 +60,7 @@ def install(app: FastAPI, cp: Services, role: RoleDependency) -> None:
         _: Role = Depends(role(ENGINE)),
     ) -> FetchPlan:
         """Peers to fetch `version`'s files from, nearest first; then the store."""
-        run_id = await run_of(engine_id)
+        run_id = await cp.fleet.engine_run(engine_id)
         plan = plan_fetch(
             cp.fleet.snapshot,
             engine_id,
@@ -104,7 +91,7 @@ def install(app: FastAPI, cp: Services, role: RoleDependency) -> None:
         engine_id: str, body: PeerReport, _: Role = Depends(role(ENGINE))
     ) -> Response:
         """A peer misbehaved while this engine fetched from it: leave it out for a while."""
-        await run_of(engine_id)
+        await cp.fleet.engine_run(engine_id)
         cp.suspects.report(engine_id, body)
         cp.metrics.peer_reports.labels(body.reason).inc()
         return Response(status_code=204)

@@ -134,6 +134,11 @@ def test_engines_register_heartbeat_list_and_deregister(any_db_api: Api) -> None
     assert same.json() == {"target_version": 5, "changed": False}
 
     assert api.call("DELETE", f"/v1/engines/{engine_id}", "engine").status_code == 204
+    # At once, although the fleet snapshot (which the long-poll reads first) may still
+    # list the engine until its next read.
+    polled = api.call("GET", f"/v1/engines/{engine_id}/target?after=5&timeout=0.2", "engine")
+    assert polled.status_code == 404
+    assert polled.json()["error"]["type"] == "EngineUnknown"
     gone = api.heartbeat(engine_id, 5)
     assert gone.status_code == 404
     assert gone.json()["error"]["type"] == "EngineUnknown"
