@@ -266,23 +266,32 @@ _E4M3_MAX_BITS = 0x43E00000
 _F32_INF_BITS = 0x7F800000
 
 
+# `e4m3_code`'s rebias and round-half-up of a normal value's fp32 bits, as a uint32 addend.
+_NORMAL_ADDEND = (((7 - 127) << 23) + 0x7FFFF) % (1 << 32)
+
+
 @numba.njit(cache=True, nogil=True, inline="always")
 def e4m3_saturating_code(y: np.float32) -> np.uint8:
     """The float8_e4m3fn byte of any fp32 clamped to ±448 first (`_encode`'s clamp, then
     `e4m3_code`), without branches so that a loop over a row of quotients vectorises: every
-    case is computed and the right one selected."""
-    bits = np.int64(_f32_bits(y))
-    sign = bits & 0x80000000
-    magnitude = bits ^ sign
-    odd = (magnitude >> 20) & 1
-    normal = ((magnitude + ((7 - 127) << 23) + 0x7FFFF + odd) >> 20) & 0xFF
+    case is computed and the right one selected.
+
+    In uint32 throughout, each result narrowed back: numba widens integer arithmetic to 64
+    bits and the vectoriser follows the widest type, which gave four lanes to an AVX2
+    register (eight to an AVX-512 one) instead of eight (sixteen). Where the normal case is
+    selected its sum is positive and below 2³¹, so the wrapped uint32 sum has the bits the
+    int64 one has; the other cases' garbage is never selected."""
+    bits = _f32_bits(y)
+    magnitude = np.uint32(bits & np.uint32(0x7FFFFFFF))
+    odd = np.uint32(np.uint32(magnitude >> np.uint32(20)) & np.uint32(1))
+    normal = np.uint32(np.uint32(magnitude + np.uint32(_NORMAL_ADDEND)) + odd) >> np.uint32(20)
     magic = _bits_f32(np.uint32(_DENORM_MAGIC))
-    summed = np.int64(_f32_bits(_bits_f32(np.uint32(magnitude)) + magic))
-    subnormal = (summed - _DENORM_MAGIC) & 0xFF
-    code = subnormal if magnitude < _NORMAL_FROM else normal
-    code = np.int64(_E4M3_448) if magnitude >= _E4M3_MAX_BITS else code
-    code = np.int64(0x7F) if magnitude > _F32_INF_BITS else code
-    return np.uint8(code | (sign >> 24))
+    subnormal = np.uint32(_f32_bits(_bits_f32(magnitude) + magic) - np.uint32(_DENORM_MAGIC))
+    code = subnormal if magnitude < np.uint32(_NORMAL_FROM) else np.uint32(normal)
+    code = np.uint32(_E4M3_448) if magnitude >= np.uint32(_E4M3_MAX_BITS) else code
+    code = np.uint32(0x7F) if magnitude > np.uint32(_F32_INF_BITS) else code
+    sign = np.uint32(np.uint32(bits >> np.uint32(24)) & np.uint32(0x80))
+    return np.uint8(np.uint32(code & np.uint32(0xFF)) | sign)
 
 
 @_jit

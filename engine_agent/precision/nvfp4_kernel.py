@@ -463,24 +463,47 @@ def encode_packed(values: np.ndarray, divisor: np.ndarray) -> np.ndarray:
     return out
 
 
-@_jit
-def _group_tops(weight: np.ndarray, first: int, count: int, scratch: np.ndarray) -> None:
-    """Largest magnitude bits of `count` groups from group `first` into `scratch[14·T:]`
-    (T = `_TOPS_PER_STEP`): max |x| per group, as bits (magnitudes order as their bits do;
-    a NaN's exceed every number's). Pairwise maxima level by level, 16 → 8 → 4 → 2 → 1,
-    the levels at 0, 8·T, 12·T and 14·T: each a contiguous loop the compiler vectorises,
-    where a maximum within each group is a horizontal reduction that it does not."""
-    start = first * _GROUP
-    for i in range(count * 8):
-        a = weight[start + 2 * i] & np.uint16(0x7FFF)
-        scratch[i] = max(a, weight[start + 2 * i + 1] & np.uint16(0x7FFF))
-    four, two, one = 8 * _TOPS_PER_STEP, 12 * _TOPS_PER_STEP, 14 * _TOPS_PER_STEP
-    for i in range(count * 4):
-        scratch[four + i] = max(scratch[2 * i], scratch[2 * i + 1])
-    for i in range(count * 2):
-        scratch[two + i] = max(scratch[four + 2 * i], scratch[four + 2 * i + 1])
+@numba.njit(cache=True, nogil=True, inline="always")
+def _pair_max(pairs: np.ndarray, count: int, out: np.ndarray, mask: np.uint32) -> None:
+    """`out[i]` = the larger uint16 half of `pairs[i] & mask`, for `i < count`."""
     for i in range(count):
-        scratch[one + i] = max(scratch[two + 2 * i], scratch[two + 2 * i + 1])
+        x = pairs[i] & mask
+        out[i] = np.uint16(max(x & np.uint32(0xFFFF), x >> np.uint32(16)))
+
+
+@_jit
+def _group_tops(words: np.ndarray, first: int, count: int, scratch: np.ndarray) -> None:
+    """Largest magnitude bits of `count` groups from group `first` into `scratch[14·T:]`
+    (T = `_TOPS_PER_STEP`; `words` is the BF16 weight as uint32, two elements a word):
+    max |x| per group, as bits (magnitudes order as their bits do; a NaN's exceed every
+    number's). Pairwise maxima level by level, 16 → 8 → 4 → 2 → 1, the levels at 0, 8·T,
+    12·T and 14·T: each a contiguous loop the compiler vectorises, where a maximum within
+    each group is a horizontal reduction that it does not. Each level reads the one below
+    as uint32 pairs, not as two stride-2 uint16 streams: that deinterleave vectorises only
+    where AVX-512 makes it cheap, and on an AVX2 host the loops ran scalar."""
+    pairs = scratch.view(np.uint32)
+    four, two, one = 8 * _TOPS_PER_STEP, 12 * _TOPS_PER_STEP, 14 * _TOPS_PER_STEP
+    start = first * (_GROUP // 2)
+    _pair_max(words[start : start + count * 8], count * 8, scratch, np.uint32(0x7FFF7FFF))
+    _pair_max(pairs, count * 4, scratch[four:], np.uint32(0xFFFFFFFF))
+    _pair_max(pairs[four // 2 :], count * 2, scratch[two:], np.uint32(0xFFFFFFFF))
+    _pair_max(pairs[two // 2 :], count, scratch[one:], np.uint32(0xFFFFFFFF))
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _nibble16(w: np.int16, b0: np.int16, b1: np.int16, b2: np.int16, b3: np.int16,
+              b4: np.int16, b5: np.int16, b6: np.int16) -> np.int16:  # fmt: skip
+    # `_nibble` in int16 throughout: numba widens integer sums to int64 and the vectoriser
+    # follows the widest type, so a plain sum of comparisons ran in 64-bit lanes (four to
+    # an AVX2 register, with the widening shuffles); narrowed after each add, one group's
+    # 16 elements are one AVX2 register. A NaN codes 0, the sign goes with c != 0 only.
+    m = np.int16(w & np.int16(0x7FFF))
+    c = np.int16(np.int16(m >= b0) + np.int16(m >= b1))
+    c = np.int16(c + np.int16(np.int16(m >= b2) + np.int16(m >= b3)))
+    c = np.int16(c + np.int16(np.int16(m >= b4) + np.int16(m >= b5)))
+    c = np.int16(c + np.int16(m >= b6))
+    c = c if m <= np.int16(_INF_BITS) else np.int16(0)
+    return np.int16(c | (np.int16(8) if w < 0 and c != 0 else np.int16(0)))
 
 
 @_jit
@@ -492,45 +515,49 @@ def _quantize_full(
     code_bounds: np.ndarray,
 ) -> None:
     denominator = np.float32(6.0) * scale_2
-    nibbles = np.empty(_GROUP, np.uint8)
     scratch = np.empty(15 * _TOPS_PER_STEP, np.uint16)
     tops = scratch[14 * _TOPS_PER_STEP :]
+    codes = np.empty(_TOPS_PER_STEP * _GROUP, np.int16)
+    code_pairs = codes.view(np.uint32)  # element 2i low, 2i + 1 high: a packed byte each
+    words = weight.view(np.uint32)
     # The scale byte is a function of the group's largest magnitude bits alone: computed
     # (a division and the E4M3 cast) once per distinct pattern met, then looked up. 0xFF,
     # a negative NaN, is never a scale byte, so it marks a pattern not met yet.
     scale_of_top = np.full(0x8000, np.uint8(0xFF))
+    # The E2M1 bounds of each scale byte met, as int16 (`code_bounds` rows, copied when
+    # the byte is first met): one row to load per group.
+    bounds = np.empty((256, 8), np.int16)
     groups = weight.size // _GROUP
-    # Plain indexing only: a slice per group would cost a reference count update each.
-    for g in range(groups):
-        first = g * _GROUP
-        k = g % _TOPS_PER_STEP
-        if k == 0:
-            _group_tops(weight, g, min(_TOPS_PER_STEP, groups - g), scratch)
-        top = tops[k]
-        code = scale_of_top[top]
-        if code == 0xFF:
-            code = _scale_code(bf16_value(top), denominator)
-            scale_of_top[top] = code
-        scale_bytes[g] = code
-        if code_bounds[code, _READY] == 0:
-            _fill_code_bounds(scale_2, code, code_bounds)
-        b0, b1 = np.int16(code_bounds[code, 0]), np.int16(code_bounds[code, 1])
-        b2, b3 = np.int16(code_bounds[code, 2]), np.int16(code_bounds[code, 3])
-        b4, b5 = np.int16(code_bounds[code, 4]), np.int16(code_bounds[code, 5])
-        b6 = np.int16(code_bounds[code, 6])
-        # As `_recode_one` codes: how many bounds the magnitude reaches, a NaN
-        # coding 0 and the sign going with a non-zero code only; 16 int16 lanes, one vector.
-        for j in range(_GROUP):
-            w = np.int16(weight[first + j])
-            m = w & np.int16(0x7FFF)
-            c = (
-                np.uint8(m >= b0) + np.uint8(m >= b1) + np.uint8(m >= b2) + np.uint8(m >= b3)
-                + np.uint8(m >= b4) + np.uint8(m >= b5) + np.uint8(m >= b6)
-            ) * np.uint8(m <= _INF_BITS)  # fmt: skip
-            nibbles[j] = c | (np.uint8(w < 0) & np.uint8(c != 0)) << 3
-        base = g * (_GROUP // 2)
-        for j in range(_GROUP // 2):
-            packed[base + j] = nibbles[2 * j] | (nibbles[2 * j + 1] << 4)
+    # Per step of T groups: their amaxes, then their scale bytes, then their codes, then
+    # the codes packed; plain indexing within a step (a slice per group would cost a
+    # reference count update each).
+    for first in range(0, groups, _TOPS_PER_STEP):
+        count = min(_TOPS_PER_STEP, groups - first)
+        _group_tops(words, first, count, scratch)
+        scales = scale_bytes[first : first + count]
+        for k in range(count):
+            top = tops[k]
+            code = scale_of_top[top]
+            if code == 0xFF:
+                code = _scale_code(bf16_value(top), denominator)
+                scale_of_top[top] = code
+                if code_bounds[code, _READY] == 0:
+                    _fill_code_bounds(scale_2, code, code_bounds)
+                for b in range(_BOUNDS.size):
+                    bounds[code, b] = np.int16(code_bounds[code, b])
+            scales[k] = code
+        block = weight[first * _GROUP : (first + count) * _GROUP]
+        for k in range(count):
+            # As `_recode_one` codes: how many bounds the magnitude reaches.
+            row = bounds[scales[k]]
+            b0, b1, b2, b3, b4, b5, b6 = row[0], row[1], row[2], row[3], row[4], row[5], row[6]
+            for j in range(_GROUP):
+                at = k * _GROUP + j
+                codes[at] = _nibble16(np.int16(block[at]), b0, b1, b2, b3, b4, b5, b6)
+        out = packed[first * (_GROUP // 2) : (first + count) * (_GROUP // 2)]
+        for i in range(count * (_GROUP // 2)):
+            pair = code_pairs[i]
+            out[i] = np.uint8((pair | (pair >> np.uint32(12))) & np.uint32(0xFF))
 
 
 def quantize_full(

@@ -405,6 +405,19 @@ def test_compiled_full_nvfp4_conversion_writes_the_fused_encoders_bytes(global_a
         assert torch.equal(packed.reshape(-1), expected_codes.reshape(-1))
 
 
+def test_compiled_full_nvfp4_conversion_of_a_view_starting_at_an_odd_element():
+    # The pass reads the bits as uint32 pairs; a weight sliced from a larger buffer at an
+    # odd element starts off 4-byte alignment and must still give the fused encoder's bytes.
+    storage = every_bf16_pattern(finite=True)
+    weight = storage[1 : 1 + 240 * 256].view(240, 256)
+    assert weight.is_contiguous() and weight.data_ptr() % 4 == 2
+    global_amax = float(weight.float().abs().max())
+    packed, block_scale, scale_2 = quantize_nvfp4(weight, global_amax)
+    expected_codes, expected_scales = encode_groups(weight.to(torch.float32).view(-1, 16), scale_2)
+    assert torch.equal(block_scale.view(torch.uint8).reshape(-1), expected_scales.view(torch.uint8))
+    assert torch.equal(packed.reshape(-1), expected_codes.reshape(-1))
+
+
 def test_bf16_tensor_amax_from_bits_is_the_largest_magnitude_and_nan_wins():
     finite = every_bf16_pattern(finite=True)
     assert tensor_amax(finite) == float(finite.float().abs().max())
