@@ -302,6 +302,7 @@ def _answers_may_differ(before: FleetSnapshot, after: FleetSnapshot) -> bool:
 
 def _beaten(seen: EngineView, beat: Heartbeat, expires: float, lease_s: float) -> EngineView:
     """`seen` as `Registry.heartbeat_many` leaves its row after committing `beat`."""
+    started: float | None
     if seen.staging_target == beat.staging_target and seen.staging_started_at is not None:
         started = seen.staging_started_at
     else:
