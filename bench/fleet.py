@@ -341,6 +341,7 @@ def _measure(config: FleetConfig, work: Path, say: Callable[[str], None]) -> dic
         rows = []
         pool.record(True)
         cp_before = cp_latency.scrape(stack.url)
+        snapshots0 = _snapshot_counts(stack.url)
         cpu0, wall0 = stack.controlplane_cpu_s(), time.perf_counter()
         for _ in range(config.versions):
             egress0, kinds0 = pool.egress.bytes, pool.egress.by_kind()
@@ -384,6 +385,7 @@ def _measure(config: FleetConfig, work: Path, say: Callable[[str], None]) -> dic
         cp_cpu = stack.controlplane_cpu_s() - cpu0
         pool.record(False)
         cp_seen = cp_latency.window(cp_before, cp_latency.scrape(stack.url))
+        snapshots = {how: n - snapshots0[how] for how, n in _snapshot_counts(stack.url).items()}
         began = time.perf_counter()
         summaries = pool.stop()
         say(f"{config.engines} agents stopped in {time.perf_counter() - began:.1f}s")
@@ -462,6 +464,10 @@ def _measure(config: FleetConfig, work: Path, say: Callable[[str], None]) -> dic
             "cp_wakes": cp_latency.count(cp_wakes),
             "cp_wake_p50_ms": _ms(cp_latency.quantile(cp_wakes, 0.5)),
             "cp_wake_p99_ms": _ms(cp_latency.quantile(cp_wakes, 0.99)),
+            # How the control plane kept its fleet snapshot current over the window: full
+            # reads of every engine's row, and heartbeats patched in without one.
+            "cp_snapshot_reads": snapshots["read"],
+            "cp_snapshot_patches": snapshots["patch"],
             "controlplane_cpu_cores": round(cp_cpu / wall, 3),
             "swarm_cpu_cores": round(sum(s["cpu_s"] for s in summaries) / wall, 3),
             # The swarm's CPU over the window (catch-ups, and every heartbeat, long-poll and
@@ -493,6 +499,13 @@ def _measure(config: FleetConfig, work: Path, say: Callable[[str], None]) -> dic
 
 # The control plane's own reads of the store (its copy of each version's claim and index).
 STORE_READS = "tether_store_read_bytes_total"
+SNAPSHOTS = "tether_fleet_snapshots_total"
+
+
+def _snapshot_counts(url: str) -> dict[str, int]:
+    """How often the control plane at `url` has read its fleet snapshot from the database,
+    and patched heartbeats into it, so far."""
+    return {how: int(cp_latency.counter(url, SNAPSHOTS, {"how": how})) for how in ("read", "patch")}
 
 
 def _ms(seconds: float | None) -> float | None:

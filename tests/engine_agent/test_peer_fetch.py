@@ -195,14 +195,20 @@ def test_a_late_engine_catches_up_from_peers_while_the_store_cannot_serve_the_by
     assert engine_checksum(fleet.engines["c"]) == expected
 
 
-def test_a_late_engine_whose_plan_requests_fail_asks_again_and_fetches_from_its_peers(
-    fleet: PeerFleet,
-) -> None:
-    # A full version: C's catch-up needs only its files, which A and B have just verified,
-    # whatever other tests did to the copies of earlier versions they keep for peers.
+def full_version_on_a_and_b(fleet: PeerFleet) -> int:
+    """A full version published and applied by A and B: a late C's catch-up then needs only
+    its files, which A and B have just verified, whatever other tests did to the copies of
+    earlier versions they keep for peers."""
     version = fleet.publish("full")
     for name in "ab":
         wait_applied(fleet.agents[name], version, CATCH_UP_S)
+    return version
+
+
+def test_a_late_engine_whose_plan_requests_fail_asks_again_and_fetches_from_its_peers(
+    fleet: PeerFleet,
+) -> None:
+    version = full_version_on_a_and_b(fleet)
     # The control plane's connection is reset under C's first two plan requests, as an
     # overloaded one did at 1,000 engines (httpx ReadError); heartbeats get through.
     with ResettingProxy(fleet.cp.url) as proxy:
@@ -225,9 +231,7 @@ def test_a_late_engine_whose_plan_requests_fail_asks_again_and_fetches_from_its_
 def test_a_new_engine_registered_late_waits_for_its_first_plan_and_fetches_from_its_peers(
     fleet: PeerFleet,
 ) -> None:
-    version = fleet.publish("full")
-    for name in "ab":
-        wait_applied(fleet.agents[name], version, CATCH_UP_S)
+    version = full_version_on_a_and_b(fleet)
     # C starts while its control plane is out of reach (an overloaded one at a fleet's
     # start-up): it follows the store pointer and begins its catch-up unregistered.
     with ResettingProxy(fleet.cp.url) as proxy:
