@@ -14,6 +14,7 @@ import contextlib
 import http.server
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +50,9 @@ class Upstream:
     release: threading.Event = field(default_factory=threading.Event)
     # "finish": the rest as stored; "cut": close the connection.
     ending: str = "finish"
+    # Send nothing of the held file until released (a source several hops from the store
+    # that is still waiting for the file itself); `half_sent` then means "asked".
+    hold_first: bool = False
     url: str = ""
 
 
@@ -63,7 +67,7 @@ def start_upstream(upstream: Upstream) -> http.server.ThreadingHTTPServer:
             if key != upstream.held:
                 self.wfile.write(data)
                 return
-            half = len(data) // 2
+            half = 0 if upstream.hold_first else len(data) // 2
             self.wfile.write(data[:half])
             self.wfile.flush()
             upstream.half_sent.set()
@@ -252,3 +256,37 @@ def test_a_parent_lying_mid_stream_is_caught_and_none_of_its_bytes_used(tree: Tr
     assert child.reasons() == ["digest"]
     assert child.sourced.bytes_rejected > 0
     assert child.sourced.bytes_from["store"] > 0
+
+
+def test_a_forward_waits_past_its_stall_time_for_a_first_byte_the_child_asked_to_wait_for(
+    tree: Tree,
+) -> None:
+    # The parent's own source sends nothing for several of the parent's stall times; the
+    # child asked to wait (as an agent does). Once the first byte comes, stall times apply.
+    tree.upstream.hold_first = True
+    stall_s = 0.3
+    servers: list[PeerServer] = []
+
+    def quick_to_stall(server: PeerServer) -> None:
+        server.stall_s = stall_s
+        servers.append(server)
+
+    with serving_peer(tree.parent, quick_to_stall) as parent_url:
+        parent = Catchup(tree.parent, HttpSource(tree.upstream.url, stall_s=30))
+        child = Catchup(
+            tree.child,
+            HttpSource(parent_url, token="engine-token", kind="peer", wait_s=DEADLINE_S),
+        )
+        assert tree.upstream.half_sent.wait(DEADLINE_S), "the parent never asked the upstream"
+        wait_until(
+            lambda: servers[0].uploading > 0, DEADLINE_S, "the parent to forward to the child"
+        )
+        # The time under test: five of the parent's stall times with nothing to forward.
+        time.sleep(5 * stall_s)
+        tree.upstream.release.set()
+        assert same_tensors(parent.result(), tree.history[0])
+        assert same_tensors(child.result(), tree.history[0])
+    # Ending the forward at the stall time sent the child to the store ("unavailable").
+    assert child.reasons() == []
+    assert child.sourced.bytes_from["store"] == 0
+    assert child.sourced.bytes_from["peer"] > 0
