@@ -34,7 +34,23 @@ def _leftovers(before: set[int]) -> list[psutil.Process]:
             uids = proc.info["uids"]
             if uids is not None and uids.real in lease_uids:
                 found.append(proc)
-    return [p for p in found if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    return [p for p in found if _alive(p)]
+
+
+def _alive(process: psutil.Process) -> bool:
+    """Running and not a zombie. A process may exit between any two looks at it (`status`
+    then raises NoSuchProcess): gone is not alive."""
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _described(process: psutil.Process) -> tuple[int, list[str] | str]:
+    try:
+        return process.pid, process.cmdline()
+    except psutil.Error as exc:
+        return process.pid, type(exc).__name__
 
 
 @pytest.fixture(autouse=True)
@@ -47,7 +63,7 @@ def process_table_stays_clean():
     while left and time.monotonic() < deadline:
         psutil.wait_procs(left, timeout=0.2)
         left = _leftovers(before)
-    assert not left, f"processes left behind: {[(p.pid, p.cmdline()) for p in left]}"
+    assert not left, f"processes left behind: {[_described(p) for p in left]}"
 
 
 @pytest.fixture
