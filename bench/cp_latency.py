@@ -5,8 +5,9 @@ heartbeat's time in its handler; `tether_target_wake_seconds`: a version's publi
 the long-poll's arrival if later, until a long-poll answered it), taking the difference of
 two scrapes (one measurement window) and reading quantiles from the buckets the way
 Prometheus' `histogram_quantile` does (linear within a bucket), and reading a counter
-(`counter`: the store bytes the control plane read, which count in the store's egress, or
-how often it read its fleet snapshot from the database and how often it patched it).
+(`counter`, or per label value `counter_by`: the store bytes the control plane read, which
+count in the store's egress, or how often it read its fleet snapshot from the database and
+how often it patched it).
 Beside the swarm's own client-side figures these say which side was slow. Never asserts;
 never used outside `bench/`.
 """
@@ -40,20 +41,34 @@ def scrape(url: str, names: tuple[str, ...] = HISTOGRAMS) -> Buckets:
     return found
 
 
-def counter(url: str, name: str, labels: dict[str, str] | None = None) -> float:
-    """The sum of the counter `name` at the control plane at `url` now over the samples
-    whose labels include `labels` (all of them when None; 0 when it has none yet)."""
+def _counter_samples(url: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """(labels, value) of every sample of the counter `name` at the control plane at `url`
+    now, from one scrape."""
     reply = httpx.get(f"{url}/metrics", timeout=30.0)
     reply.raise_for_status()
     family_name = name.removesuffix("_total")
-    wanted = (labels or {}).items()
-    return sum(
-        sample.value
+    return [
+        (sample.labels, sample.value)
         for family in text_string_to_metric_families(reply.text)
         if family.name == family_name
         for sample in family.samples
-        if sample.name == f"{family_name}_total" and wanted <= sample.labels.items()
-    )
+        if sample.name == f"{family_name}_total"
+    ]
+
+
+def counter(url: str, name: str) -> float:
+    """The sum over labels of the counter `name` at the control plane at `url` now (0 when
+    it has none yet)."""
+    return sum(value for _labels, value in _counter_samples(url, name))
+
+
+def counter_by(url: str, name: str, label: str) -> dict[str, float]:
+    """The counter `name` at the control plane at `url` now, summed per value of its label
+    `label` (a value never counted is absent)."""
+    found: dict[str, float] = {}
+    for labels, value in _counter_samples(url, name):
+        found[labels[label]] = found.get(labels[label], 0.0) + value
+    return found
 
 
 def window(before: Buckets, after: Buckets) -> Buckets:

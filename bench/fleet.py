@@ -505,7 +505,8 @@ SNAPSHOTS = "tether_fleet_snapshots_total"
 def _snapshot_counts(url: str) -> dict[str, int]:
     """How often the control plane at `url` has read its fleet snapshot from the database,
     and patched heartbeats into it, so far."""
-    return {how: int(cp_latency.counter(url, SNAPSHOTS, {"how": how})) for how in ("read", "patch")}
+    counted = cp_latency.counter_by(url, SNAPSHOTS, "how")
+    return {how: int(counted.get(how, 0)) for how in ("read", "patch")}
 
 
 def _ms(seconds: float | None) -> float | None:

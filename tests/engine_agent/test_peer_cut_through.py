@@ -281,8 +281,10 @@ def test_a_forward_waits_past_its_stall_time_for_a_first_byte_the_child_asked_to
         wait_until(
             lambda: servers[0].uploading > 0, DEADLINE_S, "the parent to forward to the child"
         )
-        # The time under test: five of the parent's stall times with nothing to forward.
+        # The time under test (not a synchronisation): five of the parent's stall times
+        # with nothing to forward. The forward must still be open after them.
         time.sleep(5 * stall_s)
+        assert servers[0].uploading > 0, "the forward ended before its first byte"
         tree.upstream.release.set()
         assert same_tensors(parent.result(), tree.history[0])
         assert same_tensors(child.result(), tree.history[0])
