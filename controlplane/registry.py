@@ -316,6 +316,7 @@ class Registry:
         """Remove the engine; `owner` (the caller's token hash, None for an admin) must
         own it."""
         with self._sessions.begin() as db:
+            run_id = db.scalar(select(EngineRow.run_id).where(EngineRow.engine_id == engine_id))
             stmt = delete(EngineRow).where(EngineRow.engine_id == engine_id)
             if owner is not None:
                 stmt = stmt.where(or_(EngineRow.owner.is_(None), EngineRow.owner == owner))
@@ -326,6 +327,9 @@ class Registry:
                         "token (or an admin token) may deregister it"
                     )
                 raise EngineUnknown(f"engine {engine_id!r} is not registered")
+            if run_id is not None:
+                # The other replicas drop it now, not at their next periodic read.
+                announce(db, run_id)
 
     def leased(self, now: float | None = None) -> list[EngineView]:
         now = time.time() if now is None else now

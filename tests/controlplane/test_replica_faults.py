@@ -1,7 +1,8 @@
 """Two control-plane replicas on one PostgreSQL, through what goes wrong between them.
 
 - A version notified on one replica reaches the other one's fleet view at once, woken over
-  LISTEN/NOTIFY, not by its periodic refresh (set to an hour here).
+  LISTEN/NOTIFY, not by its periodic refresh (set to an hour here); so does an engine
+  deregistered on one replica (the other stops routing to it).
 - PostgreSQL stopped for longer than a lease: routes that need the database answer 503
   with Retry-After in the JSON error shape, the router keeps serving from its last fleet
   view and the last known token roles, nothing logs a traceback, and the engine keeps its
@@ -122,6 +123,32 @@ def test_a_version_notified_on_one_replica_reaches_the_others_fleet_view_at_once
     wait_until(lambda: target_on_b() == 1, DEADLINE_S, "B to see v1 as the engine's target")
     notify(a, store, "woken", 2)
     wait_until(lambda: target_on_b() == 2, DEADLINE_S, "B to see v2 as the engine's target")
+
+
+def test_an_engine_deregistered_on_one_replica_leaves_the_others_routes_at_once(
+    start_pair: StartPair,
+) -> None:
+    # B reads the fleet only when told to: by a NOTIFY, never by its periodic refresh.
+    a, b, store = start_pair({"TETHER_SNAPSHOT_REFRESH_S": "3600", "TETHER_LEASE_SECONDS": "600"})
+    assert a.call("POST", "/v1/runs", json={"run_id": "leaving"}).status_code == 201
+    notify(a, store, "leaving", 1)
+    body = {"url": "http://127.0.0.1:9/e", "run_id": "leaving", "precision": "bf16",
+            "applied_version": 1, "sync_state": "ready"}  # fmt: skip
+    reply = a.call("POST", "/v1/engines", json=body)
+    assert reply.status_code == 201, reply.text
+    engine_id = reply.json()["engine_id"]
+
+    def routed_on_b() -> str | None:
+        reply = b.call("GET", "/v1/route", params={"run_id": "leaving", "min_version": 1})
+        if reply.status_code == 409:
+            return None
+        assert reply.status_code == 200, reply.text
+        return reply.json()["engine_id"]
+
+    wait_until(lambda: routed_on_b() == engine_id, DEADLINE_S, "B to route to the engine")
+    assert a.call("DELETE", f"/v1/engines/{engine_id}").status_code == 204
+    wait_until(lambda: routed_on_b() is None, DEADLINE_S, "B to stop routing to the engine")
+    assert b.call("GET", f"/v1/engines/{engine_id}").status_code == 404
 
 
 def test_a_database_outage_answers_503_keeps_routing_and_keeps_leases(
