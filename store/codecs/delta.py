@@ -18,6 +18,7 @@ import numpy as np
 
 from store.checksum import CHECKSUM_FORMAT, Digest, tensor_checksum
 from store.codecs.sharding import delta_shard_name, plan_shards, read_shards
+from store.codecs.workers import tasks
 from store.errors import CorruptPayload, TensorMismatch, UnknownCodec
 from store.manifest import INDEX_FILENAME, Manifest
 from store.safetensors_io import dump, validate_tensor_name
@@ -122,7 +123,9 @@ def encode_delta(
         payload = codec.encode_tensor(tensor, base[name])
         return payload, None if payload is None else tensor_checksum(tensor.data)
 
-    encoded = _map_names(encode_one, list(target), workers, progress)
+    names = list(target)
+    sizes = [target[name].nbytes for name in names]
+    encoded = _map_names(encode_one, names, sizes, workers, progress)
     payloads: dict[str, RawTensor] = {}
     checksums: dict[str, str] = {}
     for name in target:  # the target's order, whatever order the threads finished in
@@ -156,10 +159,12 @@ def encode_delta(
 def _map_names(
     work: Callable[[str], _Result],
     names: list[str],
+    sizes: list[int],
     workers: int,
     progress: Progress | None,
 ) -> dict[str, _Result]:
-    """`work(name)` for every name, on `workers` threads, reporting progress as they finish."""
+    """`work(name)` for every name, on `workers` threads (the small tensors, of `sizes`
+    bytes, in batches: `store.codecs.workers.tasks`), reporting progress as they finish."""
     results: dict[str, _Result] = {}
     if workers <= 1:
         for done, name in enumerate(names, start=1):
@@ -167,13 +172,17 @@ def _map_names(
             if progress is not None:
                 progress(done, len(names), "encode")
         return results
+
+    def run(group: list[int]) -> list[tuple[str, _Result]]:
+        return [(names[i], work(names[i])) for i in group]
+
     # Codecs keep their zstd contexts per thread, so one instance serves every worker.
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="encode") as pool:
-        futures = {pool.submit(work, name): name for name in names}
-        for done, future in enumerate(as_completed(futures), start=1):
-            results[futures[future]] = future.result()
+        futures = [pool.submit(run, group) for group in tasks(sizes, workers)]
+        for future in as_completed(futures):
+            results.update(future.result())
             if progress is not None:
-                progress(done, len(names), "encode")
+                progress(len(results), len(names), "encode")
     return results
 
 

@@ -185,7 +185,9 @@ def fold_chain(
         record = None if positions is None else ChangedElements(weakref.ref(tensor), positions)
         return RawTensor(tensor.dtype, tensor.shape, buffer, record)
 
-    # Tensors apply in parallel (numpy, zstd and xxh3 release the GIL); the result keeps the
-    # base's order, and the first error is raised before anything is returned.
-    applied = dict(zip(changed, map_tensors(apply, changed), strict=True))
+    # Tensors apply in parallel (numpy, zstd and xxh3 release the GIL), the small ones in
+    # batches; the result keeps the base's order, and the first error is raised before
+    # anything is returned.
+    sizes = [base[name].nbytes for name in changed]
+    applied = dict(zip(changed, map_tensors(apply, changed, sizes), strict=True))
     return {name: applied.get(name, tensor) for name, tensor in base.items()}
