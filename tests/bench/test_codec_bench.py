@@ -47,7 +47,8 @@ def test_codec_bench_prints_its_figures_as_the_last_json_line():
 
 
 def test_only_two_core_measures_the_speedup_alone():
-    """`--only-two-core`: wall ratio, CPU concurrency and efficiency, best and median."""
+    """`--only-two-core`: wall ratio, CPU concurrency and efficiency, and the two-process
+    ceiling they are read against, best and median."""
     figures = bench_figures(
         "bench.codec", "--params", "2e5", "--only-two-core", "--pairs", "2", timeout=300
     )
@@ -60,8 +61,13 @@ def test_only_two_core_measures_the_speedup_alone():
             f"two_thread_cpu_concurrency_{job}_median",
             f"two_thread_cpu_efficiency_{job}",
             f"two_thread_cpu_efficiency_{job}_best",
+            f"two_process_ceiling_{job}",
+            f"two_process_ceiling_{job}_median",
+            f"two_core_of_ceiling_{job}",
         ):
             assert figures[key] > 0, key
+        # The best of the pairs is at least their median.
+        assert figures[f"two_process_ceiling_{job}"] >= figures[f"two_process_ceiling_{job}_median"]
     assert "cases" not in figures  # nothing else was measured
 
 
