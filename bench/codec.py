@@ -18,9 +18,10 @@ Per case: changed fraction; bytes of `xor` (Stitch), `sparse` (sparse-v3, ours) 
 sparse-v1, and the entropy of the change (docs/format.md §7), as % of the target checkpoint;
 ratios; encode and decode+apply (a verified `fold`) GB/s per core (checkpoint bytes per
 second of the codec thread's CPU time, codec threads = 1) and on all cores (wall clock,
-codec threads = `--threads`). Then the 1→2 thread speedup, the catch-up stages (fetch from a
-folder store, fold+verify, convert FP8, convert NVFP4, write the staged folder) in GB/s per
-core, and one JSON line. Run: `tether bench codec` or `python -m bench.codec`.
+codec threads = `--threads`). Then the 1→2 thread speedup beside the machine's two-process
+ceiling (`two_process_ceiling`), the catch-up stages (fetch from a folder store,
+fold+verify, convert FP8, convert NVFP4, write the staged folder) in GB/s per core, and one
+JSON line. Run: `tether bench codec` or `python -m bench.codec`.
 
 Why over 500 lines: one benchmark script, read top to bottom as the procedure it measures.
 """
@@ -571,7 +572,8 @@ def run(
     only_two_core: bool = typer.Option(
         False,
         help="Measure only the 1 -> 2 codec thread speedup (wall ratio, CPU concurrency and "
-        "efficiency, best and median of --pairs pairs) at the density nearest 1%.",
+        "efficiency, best and median of --pairs pairs) and the machine's two-process "
+        "ceiling at the density nearest 1%.",
     ),
     pairs: int = typer.Option(0, help="1 -> 2 thread pairs (0: 11 with --only-two-core, else 5)."),
 ) -> dict:
