@@ -103,18 +103,23 @@ def notify(replica: Replica, store: Path, run_id: str, version: int) -> None:
     assert reply.status_code == 201, reply.text
 
 
-def test_a_version_notified_on_one_replica_reaches_the_others_fleet_view_at_once(
-    start_pair: StartPair,
-) -> None:
-    # Neither replica refreshes its fleet view by itself within this test.
+def engine_on_a_pair(start_pair: StartPair, run_id: str) -> tuple[Replica, Replica, Path, str]:
+    """Replicas A and B that read the fleet only when told to (by a NOTIFY: their periodic
+    refresh is an hour), run `run_id` at v1 and a ready engine on it, registered through A."""
     a, b, store = start_pair({"TETHER_SNAPSHOT_REFRESH_S": "3600", "TETHER_LEASE_SECONDS": "600"})
-    assert a.call("POST", "/v1/runs", json={"run_id": "woken"}).status_code == 201
-    notify(a, store, "woken", 1)
-    body = {"url": "http://127.0.0.1:9/e", "run_id": "woken", "precision": "bf16",
+    assert a.call("POST", "/v1/runs", json={"run_id": run_id}).status_code == 201
+    notify(a, store, run_id, 1)
+    body = {"url": "http://127.0.0.1:9/e", "run_id": run_id, "precision": "bf16",
             "applied_version": 1, "sync_state": "ready"}  # fmt: skip
     reply = a.call("POST", "/v1/engines", json=body)
     assert reply.status_code == 201, reply.text
-    engine_id = reply.json()["engine_id"]
+    return a, b, store, reply.json()["engine_id"]
+
+
+def test_a_version_notified_on_one_replica_reaches_the_others_fleet_view_at_once(
+    start_pair: StartPair,
+) -> None:
+    a, b, store, engine_id = engine_on_a_pair(start_pair, "woken")
 
     def target_on_b() -> int | None:
         reply = b.call("GET", f"/v1/engines/{engine_id}")
@@ -128,15 +133,7 @@ def test_a_version_notified_on_one_replica_reaches_the_others_fleet_view_at_once
 def test_an_engine_deregistered_on_one_replica_leaves_the_others_routes_at_once(
     start_pair: StartPair,
 ) -> None:
-    # B reads the fleet only when told to: by a NOTIFY, never by its periodic refresh.
-    a, b, store = start_pair({"TETHER_SNAPSHOT_REFRESH_S": "3600", "TETHER_LEASE_SECONDS": "600"})
-    assert a.call("POST", "/v1/runs", json={"run_id": "leaving"}).status_code == 201
-    notify(a, store, "leaving", 1)
-    body = {"url": "http://127.0.0.1:9/e", "run_id": "leaving", "precision": "bf16",
-            "applied_version": 1, "sync_state": "ready"}  # fmt: skip
-    reply = a.call("POST", "/v1/engines", json=body)
-    assert reply.status_code == 201, reply.text
-    engine_id = reply.json()["engine_id"]
+    a, b, _store, engine_id = engine_on_a_pair(start_pair, "leaving")
 
     def routed_on_b() -> str | None:
         reply = b.call("GET", "/v1/route", params={"run_id": "leaving", "min_version": 1})
