@@ -11,7 +11,8 @@ Owns process lifetimes only, for the demo, the Modal replicas, the GPU check and
 - `ProcessGroup` is the registry of what one owner started: on leaving its `with` block
   (success, error, Ctrl-C or SIGTERM) it stops every child, newest first, and the children
   the others call (a control plane) only once the others have exited;
-- `wait_until` polls any condition with a deadline; `free_port` picks a loopback port.
+- `wait_until` polls any condition with a deadline; `free_port` picks a loopback port
+  (below the kernel's ephemeral range, so no outgoing connection takes it meanwhile).
 
 It never interprets what a child does beyond "does this URL answer" and "has it exited".
 """
@@ -21,10 +22,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -53,11 +56,63 @@ class DeadlineExceeded(TimeoutError):
     """A condition polled by `wait_until` did not hold before its deadline."""
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now (another process may take it later)."""
+# Where `free_ports` looks when the kernel's ephemeral range cannot be read (Linux's default).
+_EPHEMERAL_DEFAULT = (32768, 60999)
+_LOWEST_PORT = 10000
+# Ports this process has handed out: never twice, even once free again.
+_handed_out: set[int] = set()
+_ports_lock = threading.Lock()
+_pick = random.SystemRandom()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range of source ports for outgoing connections."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return _EPHEMERAL_DEFAULT
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct TCP ports on 127.0.0.1 that are free right now, never handed out
+    before by this process. Another process may still take one before the server binds it,
+    so they are drawn at random from below the kernel's ephemeral range: a port the kernel
+    picks itself (bind to port 0) is also what it gives the next outgoing connection as its
+    source port, and a fresh-clone run lost a test to exactly that ("address already in
+    use" on an engine's port). Where no such range is left, the kernel picks."""
+    low, _high = _ephemeral_range()
+    ports: list[int] = []
+    with _ports_lock:
+        for _ in range(100 * count):
+            if len(ports) == count or low - 1 <= _LOWEST_PORT:
+                break
+            port = _pick.randint(_LOWEST_PORT, low - 1)
+            if port not in _handed_out and _bindable(port):
+                _handed_out.add(port)
+                ports.append(port)
+        while len(ports) < count:
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = int(sock.getsockname()[1])
+            if port not in _handed_out:
+                _handed_out.add(port)
+                ports.append(port)
+    return ports
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now (`free_ports`)."""
+    return free_ports(1)[0]
 
 
 def log_tail(path: Path, chars: int = 3000) -> str:

@@ -11,14 +11,19 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import sys
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from launcher.processes import ManagedProcess, ProcessFailed, start_process, wait_until
+from launcher.processes import (
+    ManagedProcess,
+    ProcessFailed,
+    free_ports,
+    start_process,
+    wait_until,
+)
 
 BUCKET = "tether-test"
 START_DEADLINE_S = 90.0
@@ -70,19 +75,6 @@ def find_weed() -> str | None:
     return shutil.which("weed")
 
 
-def _free_ports(count: int) -> list[int]:
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket()
-            sock.bind(("127.0.0.1", 0))
-            sockets.append(sock)
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
 @dataclass
 class SeaweedS3:
     """One SeaweedFS data folder, its ports and (while started) its process."""
@@ -107,7 +99,7 @@ class SeaweedS3:
             "actions": ["Admin", "Read", "List", "Tagging", "Write"],
         }
         config.write_text(json.dumps({"identities": [identity]}))
-        master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc = _free_ports(8)
+        master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc = free_ports(8)
         command = [
             found, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={data}",
             f"-master.port={master}", f"-master.port.grpc={master_grpc}",

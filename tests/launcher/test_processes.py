@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import sys
 from pathlib import Path
 
@@ -47,3 +48,25 @@ def test_children_serving_the_others_are_stopped_only_after_the_others_exit(
     assert [path.read_text() for path in seen] == ["alive", "alive"]
     assert not server.alive()
     assert group.children == [] and group.serving_others == []
+
+
+def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range() -> None:
+    """A port the kernel gives an outgoing connection as its source port is never handed
+    out for a server to bind later: every port is below the kernel's ephemeral range, free
+    when handed out, and never handed out twice by one process."""
+    from launcher.processes import _ephemeral_range, free_port, free_ports
+
+    low, high = _ephemeral_range()
+    assert 0 < low <= high
+    ports = free_ports(50) + [free_port() for _ in range(10)]
+    assert len(set(ports)) == 60
+    assert all(10000 <= port < low for port in ports)
+    for port in ports[:5]:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))  # raises if it was not free
+    # An outgoing connection's source port (what a bind to port 0 also gets) is in the range.
+    with socket.socket() as server, socket.socket() as client:
+        server.bind(("127.0.0.1", ports[0]))
+        server.listen()
+        client.connect(("127.0.0.1", ports[0]))
+        assert low <= client.getsockname()[1] <= high
