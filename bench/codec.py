@@ -409,7 +409,6 @@ def two_process_ceiling(target: Mapping, base: Mapping, repeats: int) -> dict[st
 
     from store.codecs import workers
 
-    labels = ("encode", "decode")
     context = multiprocessing.get_context("fork")
     barrier = context.Barrier(2)
     results = context.SimpleQueue()
@@ -442,11 +441,10 @@ def two_process_ceiling(target: Mapping, base: Mapping, repeats: int) -> dict[st
     for process in processes:
         process.join()
     figures: dict[str, float] = {}
-    for label in labels:
-        alone = got[0][label][0]
+    for label, (alone, together) in got[0].items():
         ratios = [
             2 * solo / max(first, second)
-            for solo, first, second in zip(alone, got[0][label][1], got[1][label][1], strict=True)
+            for solo, first, second in zip(alone, together, got[1][label][1], strict=True)
         ]
         figures[f"two_process_ceiling_{label}"] = max(ratios)
         figures[f"two_process_ceiling_{label}_median"] = float(np.median(ratios))

@@ -90,13 +90,14 @@ def free_ports(count: int) -> list[int]:
     picks itself (bind to port 0) is also what it gives the next outgoing connection as its
     source port, and a fresh-clone run lost a test to exactly that ("address already in
     use" on an engine's port). Where no such range is left, the kernel picks."""
-    low, _high = _ephemeral_range()
+    below = _ephemeral_range()[0] - 1
+    tries = 100 * count if below > _LOWEST_PORT else 0
     ports: list[int] = []
     with _ports_lock:
-        for _ in range(100 * count):
-            if len(ports) == count or low - 1 <= _LOWEST_PORT:
+        for _ in range(tries):
+            if len(ports) == count:
                 break
-            port = _pick.randint(_LOWEST_PORT, low - 1)
+            port = _pick.randint(_LOWEST_PORT, below)
             if port not in _handed_out and _bindable(port):
                 _handed_out.add(port)
                 ports.append(port)
