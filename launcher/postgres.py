@@ -81,6 +81,11 @@ class PostgresServer:
     def log_path(self) -> Path:
         return self.root / "server.log"
 
+    @property
+    def pid(self) -> int:
+        """The running server's process id (its postmaster, parent of every backend)."""
+        return int((self.data / "postmaster.pid").read_text().split()[0])
+
     def url(self, database: str = "postgres") -> str:
         """The SQLAlchemy URL of `database` on this server."""
         return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/{database}"

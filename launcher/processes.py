@@ -12,7 +12,8 @@ Owns process lifetimes only, for the demo, the Modal replicas, the GPU check and
   (success, error, Ctrl-C or SIGTERM) it stops every child, newest first, and the children
   the others call (a control plane) only once the others have exited;
 - `wait_until` polls any condition with a deadline; `free_port` picks a loopback port
-  (below the kernel's ephemeral range, so no outgoing connection takes it meanwhile).
+  (below the kernel's ephemeral range, so no outgoing connection takes it meanwhile);
+- `pin` keeps a process tree on some CPUs (a benchmark giving a server cores of its own).
 
 It never interprets what a child does beyond "does this URL answer" and "has it exited".
 """
@@ -114,6 +115,48 @@ def free_ports(count: int) -> list[int]:
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free right now (`free_ports`)."""
     return free_ports(1)[0]
+
+
+def parse_cpus(text: str) -> set[int]:
+    """The CPUs of a list such as `0`, `0,2` or `0-3,6` (as `taskset -c` reads it); a
+    `ValueError` naming the part that is not one, or a CPU this process may not run on."""
+    cpus: set[int] = set()
+    for part in (p.strip() for p in text.split(",")):
+        first, _, last = part.partition("-")
+        try:
+            cpus.update(range(int(first), int(last or first) + 1))
+        except ValueError:
+            raise ValueError(
+                f"{part!r} in CPU list {text!r} is not a CPU number or range (e.g. 0 or 0-3)"
+            ) from None
+    allowed = os.sched_getaffinity(0)
+    if not cpus or not cpus <= allowed:
+        raise ValueError(
+            f"CPU list {text!r} names CPUs this process may not run on; it may use "
+            f"{sorted(allowed)}"
+        )
+    return cpus
+
+
+def pin(pid: int, cpus: set[int]) -> int:
+    """Run process `pid`, every thread it has and every process below it on `cpus` only;
+    threads and processes they start later inherit it. Returns how many threads were
+    pinned (those that exit meanwhile are skipped)."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            # The parent id is the 2nd field after the command name, which may hold spaces.
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            parents.setdefault(parent, []).append(int(stat.parent.name))
+    pinned, todo = 0, [pid]
+    while todo:
+        process = todo.pop()
+        todo += parents.get(process, [])
+        for task in Path(f"/proc/{process}/task").glob("[0-9]*"):
+            with contextlib.suppress(ProcessLookupError, FileNotFoundError):
+                os.sched_setaffinity(int(task.name), cpus)
+                pinned += 1
+    return pinned
 
 
 def log_tail(path: Path, chars: int = 3000) -> str:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 from pathlib import Path
+
+import pytest
 
 from launcher.processes import ProcessGroup, wait_until
 
@@ -70,3 +73,62 @@ def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range() -> Non
         server.listen()
         client.connect(("127.0.0.1", ports[0]))
         assert low <= client.getsockname()[1] <= high
+
+
+# A process with a second thread and a child process; once pinned, it starts another thread
+# and reports where that one may run.
+PINNED = """
+import os, subprocess, sys, threading, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
+open(sys.argv[1], "w").write(str(child.pid))
+while not os.path.exists(sys.argv[2]):
+    time.sleep(0.01)
+later = []
+thread = threading.Thread(target=lambda: later.append(os.sched_getaffinity(0)))
+thread.start(); thread.join()
+open(sys.argv[3], "w").write(",".join(map(str, sorted(later[0]))))
+child.kill()
+"""
+
+
+def _affinities(pid: int) -> list[set[int]]:
+    return [os.sched_getaffinity(int(t.name)) for t in Path(f"/proc/{pid}/task").iterdir()]
+
+
+def test_pin_keeps_every_thread_and_child_of_a_process_and_what_they_start_later_on_its_cpus(
+    tmp_path: Path,
+) -> None:
+    from launcher.processes import pin
+
+    everything = os.sched_getaffinity(0)
+    one = {min(everything)}
+    started, go, later = tmp_path / "child", tmp_path / "go", tmp_path / "later"
+    with ProcessGroup(tmp_path / "logs") as group:
+        parent = group.start(
+            "pinned", [sys.executable, "-c", PINNED, str(started), str(go), str(later)]
+        )
+        wait_until(started.exists, deadline_s=60.0, what="the child process started")
+        child = int(started.read_text())
+        wait_until(lambda: len(_affinities(parent.process.pid)) >= 2, 60.0, "its thread")
+        assert pin(parent.process.pid, one) >= 3  # two threads and the child's one
+        assert all(cpus == one for cpus in _affinities(parent.process.pid))
+        assert _affinities(child) == [one]
+        go.write_text("")
+        wait_until(later.exists, deadline_s=60.0, what="a thread started after the pin")
+        assert {int(cpu) for cpu in later.read_text().split(",")} == one
+    assert os.sched_getaffinity(0) == everything  # the caller is not pinned
+
+
+def test_parse_cpus_reads_lists_and_ranges_and_names_what_it_cannot_use() -> None:
+    from launcher.processes import parse_cpus
+
+    allowed = os.sched_getaffinity(0)
+    first = min(allowed)
+    assert parse_cpus(str(first)) == {first}
+    assert parse_cpus(f"{first}-{first}") == {first}
+    assert parse_cpus(",".join(map(str, sorted(allowed)))) == allowed
+    with pytest.raises(ValueError, match="'x' in CPU list"):
+        parse_cpus("x")
+    with pytest.raises(ValueError, match="may not run on"):
+        parse_cpus(str(max(allowed) + 1000))
