@@ -20,7 +20,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
-from controlplane import dashboard, peer_routes, session_routes
+from controlplane import collector, dashboard, peer_routes, session_routes
 from controlplane import db as dbmod
 from controlplane.auth import (
     ADMIN,
@@ -211,9 +211,17 @@ def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:
         )
         if replicas is not None:
             await replicas.start()
+        # Serving from here on: what exists now is never garbage (`controlplane.collector`).
+        pauses = collector.PauseObserver(cp.metrics.gc_pause.observe)
+        pauses.install()
+        if settings.gc_settle:
+            collector.settle()
         try:
             yield
         finally:
+            if settings.gc_settle:
+                collector.unsettle()
+            pauses.remove()
             if replicas is not None:
                 await replicas.stop()
             await cp.store_sync.stop()

@@ -106,6 +106,13 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+        # Observed inside the cycle collector (`controlplane.collector`): lock-free.
+        self.gc_pause = LoopHistogram(
+            "tether_gc_pause_seconds",
+            "Seconds each cycle collection of this process held it (every request waits)",
+            buckets=(0.0001, 0.0005, *LATENCY_BUCKETS),
+        )
+        self.registry.register(self.gc_pause)
         self.target_wake = Histogram(
             "tether_target_wake_seconds",
             "Seconds from a version's publication (or the long-poll's arrival, if later) "

@@ -25,6 +25,10 @@ class ControlPlaneSettings(BaseSettings):
     # The hot lane (generate routes, heartbeats) answered by the server's own exchange
     # instead of an ASGI cycle (`hot_exchange.py`); off: the ASGI entry, same answers.
     hot_exchange: bool = True
+    # Once serving, freeze the objects that exist and collect cycles rarely
+    # (`controlplane/collector.py`); off: CPython's defaults (full collections of every
+    # object every few seconds under load, each holding every request).
+    gc_settle: bool = True
     # All request headers together (431 past it; the HTTP parser is capped just above).
     max_header_bytes: int = Field(default=64 * 1024, gt=0)
     # One streamed answer relayed by the router; past it the stream ends with an error event.
