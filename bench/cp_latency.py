@@ -19,7 +19,7 @@ import math
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-HISTOGRAMS = ("tether_heartbeat_seconds", "tether_target_wake_seconds")
+HISTOGRAMS = ("tether_heartbeat_seconds", "tether_target_wake_seconds", "tether_gc_pause_seconds")
 
 # name → [(upper bound, cumulative count)], the +Inf bucket last.
 Buckets = dict[str, list[tuple[float, float]]]
@@ -100,3 +100,11 @@ def quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
 
 def count(buckets: list[tuple[float, float]]) -> int:
     return int(buckets[-1][1]) if buckets else 0
+
+
+def above(buckets: list[tuple[float, float]], bound: float) -> int:
+    """How many observations exceeded `bound` (one of the histogram's bucket bounds)."""
+    within = next((n for le, n in buckets if le == bound), None)
+    if within is None:
+        raise ValueError(f"{bound} is not a bucket bound of this histogram")
+    return count(buckets) - int(within)

@@ -47,7 +47,7 @@ import typer
 
 from bench import cp_latency
 from bench.swarm import SwarmPool, SwarmSpec
-from launcher.processes import TETHER, ManagedProcess, ProcessGroup, free_port
+from launcher.processes import TETHER, ManagedProcess, ProcessGroup, free_port, parse_cpus, pin
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +89,9 @@ class FleetConfig:
     # plane deals a version's shards out to `peer_fanout` trees, so more than one lets every
     # agent take its files from several parents at once.
     shards: int = 4
+    # CPUs of the control plane and its PostgreSQL alone; the bench, its swarm and the S3
+    # server run on the others. Empty: everything shares every core.
+    controlplane_cpus: frozenset[int] = frozenset()
 
     @property
     def caps(self) -> dict[str, float]:
@@ -98,9 +101,10 @@ class FleetConfig:
         }
 
 
-def default_procs() -> int:
-    """One swarm process per core (the control plane and servers share them)."""
-    return max(1, os.cpu_count() or 1)
+def default_procs(controlplane_cpus: frozenset[int] = frozenset()) -> int:
+    """One swarm process per core the control plane does not have to itself (the servers
+    share them)."""
+    return max(1, len(os.sched_getaffinity(0) - controlplane_cpus))
 
 
 @dataclass
@@ -117,6 +121,8 @@ class Stack:
     store_url: str = ""
     admin: str = ""
     tokens: dict[str, str] = field(default_factory=dict)
+    # The CPUs the bench may use, as it started (it runs on those left to it meanwhile).
+    everywhere: set[int] = field(default_factory=lambda: os.sched_getaffinity(0))
 
     @classmethod
     def start(cls, work: Path, config: FleetConfig) -> Stack:
@@ -125,8 +131,13 @@ class Stack:
 
         stack = cls(work, ProcessGroup(work / "logs"))
         stack.group.__enter__()
+        cores = config.controlplane_cpus
         try:
+            if cores:  # the servers started from here inherit the rest
+                pin(os.getpid(), stack.everywhere - cores)
             stack.postgres = PostgresServer.create().start()
+            if cores:
+                pin(stack.postgres.pid, set(cores))
             db_url = stack.postgres.create_database("fleet")
             stack.seaweed = SeaweedS3.create(work / "seaweed")
             stack.s3 = stack.seaweed.start()
@@ -148,6 +159,8 @@ class Stack:
                 env=env,
                 url=stack.url,
             )  # fmt: skip
+            if cores:
+                pin(stack.controlplane.process.pid, set(cores))
             stack.controlplane.wait_http("/readyz", deadline_s=120.0)
             for role in ("trainer", "engine"):
                 reply = httpx.post(
@@ -166,6 +179,7 @@ class Stack:
     def close(self) -> None:
         try:
             self.group.__exit__()
+            pin(os.getpid(), self.everywhere)
         finally:
             if self.seaweed is not None:
                 self.seaweed.stop()
@@ -395,6 +409,7 @@ def _measure(config: FleetConfig, work: Path, say: Callable[[str], None]) -> dic
         lag = [x for s in summaries for x in s["loop_lag_s"]]
         cp_beats = cp_seen["tether_heartbeat_seconds"]
         cp_wakes = cp_seen["tether_target_wake_seconds"]
+        cp_gc = cp_seen["tether_gc_pause_seconds"]
 
         def mean(key: str) -> float:
             return sum(r[key] for r in rows) / len(rows)
@@ -410,6 +425,7 @@ def _measure(config: FleetConfig, work: Path, say: Callable[[str], None]) -> dic
             "version_bytes": round(mean("version_bytes")),
             "shards": config.shards,
             "caps": config.caps,
+            "controlplane_cpus": sorted(config.controlplane_cpus),
             "heartbeat_interval_s": config.heartbeat_s,
             "swarm_procs": procs,
             "agents_registered_s": round(registered_s, 2),
@@ -464,6 +480,11 @@ def _measure(config: FleetConfig, work: Path, say: Callable[[str], None]) -> dic
             "cp_wakes": cp_latency.count(cp_wakes),
             "cp_wake_p50_ms": _ms(cp_latency.quantile(cp_wakes, 0.5)),
             "cp_wake_p99_ms": _ms(cp_latency.quantile(cp_wakes, 0.99)),
+            # Its cycle collections (each holds every request): how many, how many held
+            # it over 50 ms, and the p99 pause.
+            "cp_gc_pauses": cp_latency.count(cp_gc),
+            "cp_gc_pauses_over_50ms": cp_latency.above(cp_gc, 0.05) if cp_gc else None,
+            "cp_gc_pause_p99_ms": _ms(cp_latency.quantile(cp_gc, 0.99)),
             # How the control plane kept its fleet snapshot current over the window: full
             # reads of every engine's row, and heartbeats patched in without one.
             "cp_snapshot_reads": snapshots["read"],
@@ -643,11 +664,24 @@ def run(
     earlier: list[Path] = typer.Option(
         [], help="saved output of an earlier run: its scales join this run's for the models"
     ),
+    controlplane_cpus: str = typer.Option(
+        "",
+        help="CPUs (e.g. 0 or 0-1) for the control plane and its PostgreSQL alone; the swarm "
+        "and the S3 server get the others (default: all share every core)",
+    ),
 ) -> None:
     """A swarm of real agents with null engines: convergence, store egress, heartbeats."""
     logging.basicConfig(level=logging.WARNING)
     # A full boto3 pool is expected with hundreds of fetch threads; it is not news.
     logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
+    try:
+        cores = frozenset(parse_cpus(controlplane_cpus)) if controlplane_cpus else frozenset()
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--controlplane-cpus") from None
+    if cores and not os.sched_getaffinity(0) - cores:
+        raise typer.BadParameter(
+            "leaves no CPU for the swarm; name fewer CPUs", param_hint="--controlplane-cpus"
+        )
     results: list[dict[str, Any]] = []
     failures: list[dict[str, Any]] = []
     for n in engines:
@@ -655,9 +689,9 @@ def run(
             engines=n, versions=versions, model_kb=model_kb, agent_link_mbps=agent_link_mbps,
             store_egress_mbps=store_egress_mbps, heartbeat_s=heartbeat_s,
             lease_s=max(10.0, heartbeat_s * 5), threads=threads,
-            procs=swarm_procs or default_procs(), start_per_s=start_per_s, peers=peers,
+            procs=swarm_procs or default_procs(cores), start_per_s=start_per_s, peers=peers,
             bad_peers=bad_peers, peer_fanout=peer_fanout, shards=shards,
-            peer_chunk_bytes=peer_chunk_bytes,
+            peer_chunk_bytes=peer_chunk_bytes, controlplane_cpus=cores,
         )  # fmt: skip
         print(
             f"--- {n} engines in {min(n, config.procs)} swarm processes, caps {config.caps}, "

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import math
 import multiprocessing
+import os
 
 import pytest
 
 from bench.capped_link import Egress, Link, SharedLink
-from bench.cp_latency import quantile, window
+from bench.cp_latency import above, quantile, window
 from bench.fleet import FleetConfig, fit, fraction_time, measure, models
 from bench.swarm import MB
 from launcher.postgres import find_pg_bin
@@ -32,12 +33,19 @@ ENGINES = 4
 @pytest.mark.skipif(find_pg_bin() is None, reason="PostgreSQL binaries are not installed")
 @pytest.mark.skipif(find_weed() is None, reason="the SeaweedFS 'weed' binary is not installed")
 def test_every_engine_of_the_swarm_commits_the_store_s_bytes_despite_a_lying_peer() -> None:
+    everywhere = os.sched_getaffinity(0)
+    # With two CPUs or more, the control plane and its PostgreSQL get one of their own.
+    alone = frozenset({min(everywhere)}) if len(everywhere) > 1 else frozenset()
     config = FleetConfig(
         engines=ENGINES, versions=2, model_kb=128, agent_link_mbps=0.5, store_egress_mbps=5.0,
         heartbeat_s=0.5, lease_s=10.0, threads=8, procs=2, peers=True, bad_peers=1,
+        controlplane_cpus=alone,
     )  # fmt: skip
     result = measure(config, say=lambda _line: None)
 
+    assert os.sched_getaffinity(0) == everywhere  # the bench's own CPUs are given back
+    assert result["controlplane_cpus"] == sorted(alone)
+    assert result["cp_gc_pauses"] is not None
     assert result["engines"] == ENGINES
     assert result["swarm_procs"] == 2
     rows = result["per_version"]
@@ -146,6 +154,29 @@ def test_a_histogram_quantile_interpolates_within_its_bucket() -> None:
     assert quantile([(0.01, 0.0), (math.inf, 0.0)], 0.5) is None
     # Past the largest bound, the largest bound is all a histogram can say.
     assert quantile([(0.01, 1.0), (math.inf, 3.0)], 0.9) == 0.01
+
+
+def test_the_count_above_a_bucket_bound_is_what_the_histogram_held_past_it() -> None:
+    buckets = [(0.01, 50.0), (0.05, 97.0), (math.inf, 100.0)]
+    assert above(buckets, 0.05) == 3
+    assert above(buckets, 0.01) == 50
+    with pytest.raises(ValueError, match="not a bucket bound"):
+        above(buckets, 0.02)
+
+
+def test_the_fleet_bench_refuses_a_cpu_list_it_cannot_use_before_starting_anything() -> None:
+    from typer.testing import CliRunner
+
+    from cli import app
+
+    def refusal(cpus: str) -> str:
+        refused = CliRunner().invoke(app, ["bench", "fleet", "--controlplane-cpus", cpus])
+        assert refused.exit_code == 2
+        return " ".join(refused.output.replace("│", " ").split())  # unwrapped from its box
+
+    assert "--controlplane-cpus: 'x' in CPU list 'x' is not a CPU number" in refusal("x")
+    every = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    assert "leaves no CPU for the swarm" in refusal(every)
 
 
 def test_a_window_is_what_was_observed_between_two_scrapes() -> None:
