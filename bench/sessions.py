@@ -408,7 +408,9 @@ def _warm_up(agent_urls: Sequence[str]) -> None:
     """One request per engine, so no policy pays for a cold engine's first forward pass."""
     import httpx
 
-    body = {"input_ids": [5, 17, 3, 42], "sampling_params": {"max_new_tokens": 2}}
+    # 32 tokens, not 4: on an Intel VM with AVX-512/AMX flags vLLM 0.32's CPU worker died
+    # with SIGILL prefilling a 4-token prompt (36 tokens were served).
+    body = {"input_ids": [5, 17, 3, 42] * 8, "sampling_params": {"max_new_tokens": 2}}
     for url in agent_urls:
         httpx.post(f"{url}/generate", json=body, timeout=300).raise_for_status()
 
