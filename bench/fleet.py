@@ -121,7 +121,9 @@ class Stack:
     store_url: str = ""
     admin: str = ""
     tokens: dict[str, str] = field(default_factory=dict)
-    # The CPUs the bench may use, as it started (it runs on those left to it meanwhile).
+    # The control plane's and PostgreSQL's own CPUs (none: all share every core), and the
+    # CPUs the bench may use as it started (it runs on those left to it meanwhile).
+    cores: set[int] = field(default_factory=set)
     everywhere: set[int] = field(default_factory=lambda: os.sched_getaffinity(0))
 
     @classmethod
@@ -129,15 +131,15 @@ class Stack:
         from launcher.postgres import PostgresServer
         from launcher.seaweed import SeaweedS3
 
-        stack = cls(work, ProcessGroup(work / "logs"))
+        stack = cls(work, ProcessGroup(work / "logs"), cores=set(config.controlplane_cpus))
         stack.group.__enter__()
-        cores = config.controlplane_cpus
+        cores = stack.cores
         try:
             if cores:  # the servers started from here inherit the rest
                 pin(os.getpid(), stack.everywhere - cores)
             stack.postgres = PostgresServer.create().start()
             if cores:
-                pin(stack.postgres.pid, set(cores))
+                pin(stack.postgres.pid, cores)
             db_url = stack.postgres.create_database("fleet")
             stack.seaweed = SeaweedS3.create(work / "seaweed")
             stack.s3 = stack.seaweed.start()
@@ -160,7 +162,7 @@ class Stack:
                 url=stack.url,
             )  # fmt: skip
             if cores:
-                pin(stack.controlplane.process.pid, set(cores))
+                pin(stack.controlplane.process.pid, cores)
             stack.controlplane.wait_http("/readyz", deadline_s=120.0)
             for role in ("trainer", "engine"):
                 reply = httpx.post(
@@ -179,7 +181,8 @@ class Stack:
     def close(self) -> None:
         try:
             self.group.__exit__()
-            pin(os.getpid(), self.everywhere)
+            if self.cores:
+                pin(os.getpid(), self.everywhere)
         finally:
             if self.seaweed is not None:
                 self.seaweed.stop()

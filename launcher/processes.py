@@ -141,21 +141,18 @@ def parse_cpus(text: str) -> set[int]:
 def pin(pid: int, cpus: set[int]) -> int:
     """Run process `pid`, every thread it has and every process below it on `cpus` only;
     threads and processes they start later inherit it. Returns how many threads were
-    pinned (those that exit meanwhile are skipped)."""
-    parents: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            # The parent id is the 2nd field after the command name, which may hold spaces.
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            parents.setdefault(parent, []).append(int(stat.parent.name))
-    pinned, todo = 0, [pid]
-    while todo:
-        process = todo.pop()
-        todo += parents.get(process, [])
-        for task in Path(f"/proc/{process}/task").glob("[0-9]*"):
-            with contextlib.suppress(ProcessLookupError, FileNotFoundError):
-                os.sched_setaffinity(int(task.name), cpus)
-                pinned += 1
+    pinned (those that exit meanwhile are skipped). Needs psutil (the dev extra: only
+    benchmarks pin)."""
+    import psutil
+
+    root = psutil.Process(pid)
+    pinned = 0
+    for process in [root, *root.children(recursive=True)]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            for thread in process.threads():
+                with contextlib.suppress(ProcessLookupError):
+                    os.sched_setaffinity(thread.id, cpus)
+                    pinned += 1
     return pinned
 
 
