@@ -9,7 +9,8 @@ does) and never logs the token.
 Deadlines: a server may hold a request while it fetches the file itself (a peer still
 catching up; the wait it may take is sent in `WAIT_HEADER`). After that, a transfer that
 delivers nothing for `stall_s`, or that runs slower than `min_bytes_per_s` overall, is a
-stall: `SourceFailed("stall")`, and the caller moves on.
+stall: `SourceFailed("stall")`, and the caller moves on. A file whose last byte has arrived
+is never a stall: its bytes are kept, however late they came.
 
 Clients: opening an `httpx.Client` loads the CA bundle into a new TLS context (0.1–0.3 s of
 CPU, holding the GIL), so every source shares one process-wide TLS context, and an agent
@@ -102,7 +103,9 @@ class HttpSource(FetchSource):
                         break  # longer than the origin says: wrong, no need to read on
                     if sink is not None:
                         sink(chunk)
-                    if time.monotonic() > deadline:
+                    # Past the deadline with bytes still to come: too slow. A file that
+                    # arrived whole is kept, however late (the caller verifies it anyway).
+                    if received < size and time.monotonic() > deadline:
                         raise SourceFailed(
                             f"{url} delivered {received} of {size} bytes before its deadline",
                             "stall",
