@@ -643,26 +643,45 @@ def earlier_scales(path: Path) -> list[dict[str, Any]]:
     return scales
 
 
+def _positive(value: float) -> float:
+    """A rate or interval option: refused (exit 2, naming the option) unless above 0."""
+    if value <= 0:
+        raise typer.BadParameter(f"{value} is not above 0; give a positive number")
+    return value
+
+
 def run(
-    engines: list[int] = typer.Option([100], help="fleet sizes to run, each on a fresh stack"),
-    versions: int = typer.Option(3, help="versions published (one at a time) per scale"),
-    model_kb: int = typer.Option(512, help="size of the synthetic BF16 model in KiB"),
-    agent_link_mbps: float = typer.Option(0.03, help="each agent's link in MB/s"),
-    store_egress_mbps: float = typer.Option(0.3, help="the store's egress in MB/s"),
-    heartbeat_s: float = typer.Option(5.0, help="heartbeat interval the control plane asks"),
+    engines: list[int] = typer.Option(
+        [100], min=1, help="fleet sizes to run, each on a fresh stack"
+    ),
+    versions: int = typer.Option(3, min=1, help="versions published (one at a time) per scale"),
+    model_kb: int = typer.Option(512, min=1, help="size of the synthetic BF16 model in KiB"),
+    agent_link_mbps: float = typer.Option(
+        0.03, callback=_positive, help="each agent's link in MB/s"
+    ),
+    store_egress_mbps: float = typer.Option(
+        0.3, callback=_positive, help="the store's egress in MB/s"
+    ),
+    heartbeat_s: float = typer.Option(
+        5.0, callback=_positive, help="heartbeat interval the control plane asks"
+    ),
     threads: int = typer.Option(
         256, help="fetch worker threads in each swarm process (at least 2 per agent it runs)"
     ),
     swarm_procs: int = typer.Option(
         0, help="swarm worker processes (0: one per core)", show_default=False
     ),
-    start_per_s: float = typer.Option(100.0, help="agents started per second (whole swarm)"),
+    start_per_s: float = typer.Option(
+        100.0, callback=_positive, help="agents started per second (whole swarm)"
+    ),
     peers: bool = typer.Option(False, help="peer-assisted fetch between the agents"),
-    bad_peers: int = typer.Option(0, help="agents that serve their peers damaged files"),
-    peer_fanout: int = typer.Option(2, help="children per peer in the fetch tree"),
-    shards: int = typer.Option(4, help="shard files per delta version"),
+    bad_peers: int = typer.Option(0, min=0, help="agents that serve their peers damaged files"),
+    peer_fanout: int = typer.Option(2, min=1, help="children per peer in the fetch tree"),
+    shards: int = typer.Option(4, min=1, help="shard files per delta version"),
     peer_chunk_bytes: int = typer.Option(
-        2048, help="piece a file is forwarded in while it arrives (cut-through)"
+        2048,
+        min=1024,  # the agent's own floor (AgentSettings.peer_chunk_bytes)
+        help="piece a file is forwarded in while it arrives (cut-through)",
     ),
     earlier: list[Path] = typer.Option(
         [], help="saved output of an earlier run: its scales join this run's for the models"

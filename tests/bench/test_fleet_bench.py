@@ -164,19 +164,44 @@ def test_the_count_above_a_bucket_bound_is_what_the_histogram_held_past_it() -> 
         above(buckets, 0.02)
 
 
-def test_the_fleet_bench_refuses_a_cpu_list_it_cannot_use_before_starting_anything() -> None:
+def _refusal(*args: str) -> str:
+    """What `tether bench fleet ARGS` prints refusing them (exit 2, nothing started)."""
     from typer.testing import CliRunner
 
     from cli import app
 
-    def refusal(cpus: str) -> str:
-        refused = CliRunner().invoke(app, ["bench", "fleet", "--controlplane-cpus", cpus])
-        assert refused.exit_code == 2
-        return " ".join(refused.output.replace("│", " ").split())  # unwrapped from its box
+    refused = CliRunner().invoke(app, ["bench", "fleet", *args])
+    assert refused.exit_code == 2, refused.output
+    return " ".join(refused.output.replace("│", " ").split())  # unwrapped from its box
 
-    assert "--controlplane-cpus: 'x' in CPU list 'x' is not a CPU number" in refusal("x")
+
+def test_the_fleet_bench_refuses_a_cpu_list_it_cannot_use_before_starting_anything() -> None:
+    assert "--controlplane-cpus: 'x' in CPU list 'x' is not a CPU number" in _refusal(
+        "--controlplane-cpus", "x"
+    )
     every = ",".join(map(str, sorted(os.sched_getaffinity(0))))
-    assert "leaves no CPU for the swarm" in refusal(every)
+    assert "leaves no CPU for the swarm" in _refusal("--controlplane-cpus", every)
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "says"),
+    [
+        # Below the agents' own floor: before, every agent failed to start after the
+        # stack was up ("1 validation error for AgentSettings").
+        ("--peer-chunk-bytes", "256", "greater than or equal to 1024"),
+        ("--agent-link-mbps", "0", "0.0 is not above 0"),
+        ("--store-egress-mbps", "-1", "-1.0 is not above 0"),
+        ("--heartbeat-s", "0", "0.0 is not above 0"),
+        ("--engines", "0", "greater than or equal to 1"),
+        ("--shards", "0", "greater than or equal to 1"),
+    ],
+)
+def test_the_fleet_bench_refuses_an_option_out_of_range_naming_it(
+    option: str, value: str, says: str
+) -> None:
+    refused = _refusal(option, value)
+    assert f"Invalid value for '{option}'" in refused
+    assert says in refused
 
 
 def test_a_window_is_what_was_observed_between_two_scrapes() -> None:
