@@ -425,6 +425,10 @@ class Share:
                 peer_fetch=spec.peers,
                 peer_upload_bytes_per_s=spec.agent_link_mbps * MB,
                 peer_chunk_bytes=spec.peer_chunk_bytes,
+                # The agents' floor (1 MiB/s) is for real links: a capped link is slower. A
+                # healthy transfer here gets at least a parent's capped upload shared by its
+                # upload slots (8); half of that is the floor, so only a real stall trips it.
+                peer_min_bytes_per_s=min(float(1 << 20), spec.agent_link_mbps * MB / 16),
             )
         return self._base_settings
 

@@ -170,6 +170,7 @@ class Agent:
                 peers=peers,
                 wait_s=settings.peer_wait_s,
                 stall_s=settings.peer_stall_s,
+                min_bytes_per_s=settings.peer_min_bytes_per_s,
                 first_plan_wait_s=settings.peer_first_plan_wait_s,
             )
 

@@ -59,10 +59,18 @@ def open_source(
     token: str | None = None,
     stall_s: float = 5.0,
     client: httpx.Client | None = None,
+    min_bytes_per_s: float = float(1 << 20),
 ) -> FetchSource:
     """A configured fetch source: an http(s):// base URL or a store URL of a mirror."""
     if url.startswith(("http://", "https://")):
-        return HttpSource(url, token=token, kind="http", stall_s=stall_s, client=client)
+        return HttpSource(
+            url,
+            token=token,
+            kind="http",
+            stall_s=stall_s,
+            min_bytes_per_s=min_bytes_per_s,
+            client=client,
+        )
     return ObjectSource.open(url)
 
 
@@ -82,6 +90,7 @@ class PeerFetch:
         peers: bool = True,
         wait_s: float = 30.0,
         stall_s: float = 5.0,
+        min_bytes_per_s: float = float(1 << 20),
         first_plan_wait_s: float = 30.0,
     ) -> None:
         self.control = control
@@ -94,6 +103,7 @@ class PeerFetch:
         self.peers = peers
         self.wait_s = wait_s
         self.stall_s = stall_s
+        self.min_bytes_per_s = min_bytes_per_s
         self.first_plan_wait_s = first_plan_wait_s
         # The fetch plan of the pass under way (`begin`), until `relayed` takes it.
         self._plans: dict[int, asyncio.Task[FetchPlan | None]] = {}
@@ -236,7 +246,10 @@ class PeerFetch:
                     [[source.location for source in lane] for lane in found.lanes],
                 )
         found.rest = [
-            open_source(url, stall_s=self.stall_s, client=self.client) for url in self.configured
+            open_source(
+                url, stall_s=self.stall_s, client=self.client, min_bytes_per_s=self.min_bytes_per_s
+            )
+            for url in self.configured
         ]
         return found
 
@@ -253,6 +266,7 @@ class PeerFetch:
                         kind="peer",
                         wait_s=self.wait_s,
                         stall_s=self.stall_s,
+                        min_bytes_per_s=self.min_bytes_per_s,
                         client=self.client,
                     )
         return [[by_url[p.url] for p in lane if p.url in by_url] for lane in lanes]

@@ -76,6 +76,11 @@ class AgentSettings(BaseSettings):
     # long a transfer may deliver nothing before the peer counts as stalled.
     peer_wait_s: float = Field(default=30.0, ge=0)
     peer_stall_s: float = Field(default=5.0, gt=0)
+    # A transfer from a peer or fetch source slower than this overall (bytes/s, once its
+    # first byte came, with `peer_stall_s` of slack) counts as stalled and the file is read
+    # elsewhere. Lower it where links are slow (a file of size S may take up to
+    # peer_stall_s + S / this), or a whole subtree of the fetch tree falls back to the store.
+    peer_min_bytes_per_s: float = Field(default=float(1 << 20), gt=0)
     # How long a new agent's first catch-up waits for its registration, and so for a fetch
     # plan, before it reads everything from the store (later passes wait 5 s for a new id).
     # An engine is routed to only once registered, so waiting costs no serving time; a

@@ -383,6 +383,34 @@ def test_every_source_of_every_pass_shares_the_agents_one_http_client() -> None:
     fetch.close()
 
 
+def test_the_agents_rate_floor_reaches_every_http_source_it_builds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from engine_agent.settings import AgentSettings
+
+    # Read like every other setting (TETHER_AGENT_*); refused at 0, naming the field.
+    monkeypatch.setenv("TETHER_AGENT_PEER_MIN_BYTES_PER_S", "2048")
+    settings = AgentSettings(
+        engine_url="http://127.0.0.1:9", precision="bf16", run="r", store="/tmp/s"
+    )
+    assert settings.peer_min_bytes_per_s == 2048
+    monkeypatch.setenv("TETHER_AGENT_PEER_MIN_BYTES_PER_S", "0")
+    with pytest.raises(ValueError, match="peer_min_bytes_per_s"):
+        AgentSettings(engine_url="http://127.0.0.1:9", precision="bf16", run="r", store="/tmp/s")
+
+    fetch = PeerFetch(
+        control=None, engine_id=lambda: None, own_url="http://127.0.0.1:9", token=None,
+        status=AgentStatus(), configured=["http://127.0.0.1:9/a"], min_bytes_per_s=2048,
+    )  # fmt: skip
+    sourced = asyncio.run(fetch.sources(1))
+    peers = [s for lane in fetch._lanes([[peer("p", 1)]]) for s in lane]
+    built = [s for s in [*sourced.sources, *peers] if isinstance(s, HttpSource)]
+    assert [s.kind for s in built] == ["http", "peer"]
+    assert all(s.min_bytes_per_s == 2048 for s in built)
+    sourced.close()
+    fetch.close()
+
+
 def test_a_pass_asks_for_its_plan_without_waiting_and_its_fetch_thread_gets_the_sources() -> None:
     fetch = fetch_without_control_plane()
 
