@@ -3,15 +3,17 @@
 `GET /v1/peer/files/{key}` answers the verified copy of a store key from the agent's file
 cache (what its catch-ups fetched), with single-range reads (`Range: bytes=a-b`). Callers
 must hold an engine (or admin) token, checked with the control plane and remembered for a
-short while. A file the agent is still receiving is forwarded as its bytes arrive
-(cut-through: `store.partial_file`; chunked, marked `X-Tether-Peer-Partial: 1`, its last
-byte held back until the agent verified the file, ended short if the agent's own source
-fails, or delivers nothing for `stall_s` once bytes flow; before the first byte the
-caller's wait holds, as for a file not here yet). A file the agent will fetch (its version
-lies between the applied version and its target) is waited for, at most as long as the
-caller allows (`X-Tether-Peer-Wait`) and the agent's own `peer_wait_s`; otherwise a missing
-file is 404 at once. Uploads are bounded: `upload_slots` under way at a time (503 past that) sharing
-`upload_bytes_per_s`. Old versions are pruned from the cache after each commit.
+short while. A file the agent is still receiving is forwarded as its bytes arrive (cut-
+through: `store.partial_file`; chunked, marked `X-Tether-Peer-Partial: 1`, its last byte
+held back until the agent verified the file; a source of the agent's that fails mid-file is
+continued by its next one from the same offset, so the forward goes on; it ends short if
+the file fails its digest, or delivers nothing for `stall_s` once bytes flow; before the
+first byte the caller's wait holds, as for a file not here yet). A file the agent will
+fetch (its version lies between the applied version and its target) is waited for, at most
+as long as the caller allows (`X-Tether-Peer-Wait`) and the agent's own `peer_wait_s`;
+otherwise a missing file is 404 at once. Uploads are bounded: `upload_slots` under way at a
+time (503 past that) sharing `upload_bytes_per_s`. Old versions are pruned from the cache
+after each commit.
 
 Must never complete a transfer of anything but verified version files of its own run (no
 claim, no pointer, no path outside the cache), never change weights and never log a token.

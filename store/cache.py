@@ -32,7 +32,7 @@ from store.layout import version_file_key
 from store.objects import ObjectStore
 from store.partial_file import FAILED, RECEIVING, VERIFIED, PartialFile
 from store.safetensors_io import read_header
-from store.sources.sourced_fetch import FileDigest, SourcedFetch
+from store.sources.sourced_fetch import FileDigest, Held, SourcedFetch
 from store.types import VersionRef
 
 log = logging.getLogger(__name__)
@@ -126,6 +126,11 @@ class FileCache:
             self._partials.pop(key, None)
 
 
+def _matches(data: bytes, expected: FileDigest) -> bool:
+    """Whether `data` is what the origin recorded (size and digest)."""
+    return len(data) == expected.size and tensor_checksum(data) == expected.digest
+
+
 class Attempts:
     """The successive attempts at one file as its readers see them: one `PartialFile` per
     attempt that delivered bytes. An attempt that failed before its first byte (a miss, a
@@ -154,8 +159,7 @@ class Attempts:
         origin's record, else end their transfers."""
         if self.current is None:
             return
-        intact = expected is not None and len(data) == expected.size
-        if intact and expected is not None and tensor_checksum(data) == expected.digest:
+        if expected is not None and _matches(data, expected):
             self.current.verified()
         else:
             self.current.failed()
@@ -240,12 +244,26 @@ class VersionFiles(Mapping[str, bytes]):
     def _fetch_from(
         self, key: str, name: str, expected: FileDigest | None, attempts: Attempts | None
     ) -> bytes:
+        held = Held()
         if self.sources is not None and expected is not None:
-            data = self.sources.fetch(key, expected, attempts, lane=self._place[name])
+            data = self.sources.fetch(key, expected, attempts, lane=self._place[name], held=held)
             if data is not None:
                 return data
         try:
-            data = self._read_origin(key, self.sizes[name], attempts)
+            # From where the sources stopped: readers of the file read on.
+            start = len(held.data)
+            data = bytes(held.data) + self._read_origin(key, self.sizes[name], attempts, start)
+            if start and expected is not None and not _matches(data, expected):
+                # The sources' part was wrong (a lying peer that then failed): the origin's
+                # bytes only, and readers start over.
+                log.warning("%s: the sources' first %d bytes did not match; reading the "
+                            "whole file from the store", key, start)  # fmt: skip
+                if attempts is not None:
+                    attempts.failed()
+                if self.sources is not None:
+                    self.sources.reject(len(data))
+                held = Held()
+                data = self._read_origin(key, self.sizes[name], attempts, 0)
         except FileNotFoundError:
             raise VersionNotFound(
                 f"{self.ref.identity}/{name} disappeared from {self.objects.url} while being "
@@ -258,25 +276,27 @@ class VersionFiles(Mapping[str, bytes]):
             )
         if attempts is not None:
             attempts.settle(data, expected)
+        origin_bytes = len(data) - len(held.data)
         with self._lock:
-            self.bytes_fetched += len(data)
+            self.bytes_fetched += origin_bytes
         if self.sources is not None:
-            self.sources.count_origin(len(data))
+            self.sources.count_origin(origin_bytes, held)
         return data
 
-    def _read_origin(self, key: str, size: int, attempts: Attempts | None) -> bytes:
-        """The object from the origin store; in ranges, each passed on as it arrives, when
-        peers may be reading it."""
+    def _read_origin(
+        self, key: str, size: int, attempts: Attempts | None, offset: int = 0
+    ) -> bytes:
+        """The object from the origin store from byte `offset` on; in ranges, each passed
+        on as it arrives, when peers may be reading it."""
         if attempts is None:
-            return self.objects.get(key)
+            return self._origin_tail(key, size, offset)
         sink = attempts.sink()
         chunk = max(1, self.cache.chunk_bytes if self.cache is not None else size)
-        if size <= chunk:
-            data = self.objects.get(key)
+        if size - offset <= chunk:
+            data = self._origin_tail(key, size, offset)
             sink(data)
             return data
         parts = []
-        offset = 0
         while offset < size:
             piece = self.objects.get_range(key, offset, min(chunk, size - offset))
             if not piece:
@@ -285,6 +305,12 @@ class VersionFiles(Mapping[str, bytes]):
             parts.append(piece)
             offset += len(piece)
         return b"".join(parts)
+
+    def _origin_tail(self, key: str, size: int, offset: int) -> bytes:
+        """Bytes `offset` to the end of the origin's object (one read)."""
+        return (
+            self.objects.get_range(key, offset, size - offset) if offset else self.objects.get(key)
+        )
 
     def hold(self, name: str, data: bytes) -> None:
         """Use `data` as the file `name` without fetching it (the caller checked it against

@@ -2,9 +2,10 @@
 
 A catch-up that serves its peers registers each file it fetches as a `PartialFile` before
 the first byte; the fetch writes every chunk into it as it arrives (from a peer, a
-distributor or the store) and then either marks it `verified` (its size and digest matched
-what the origin store recorded) or `failed` (the source failed, stalled or served bytes
-that did not match). Readers (the peer server, on the event loop) read what has arrived so
+distributor or the store; when a source fails mid-file the next one continues from the
+same offset into the same `PartialFile`) and then either marks it `verified` (its size and
+digest matched what the origin store recorded) or `failed` (bytes that did not match, or
+no source left to finish it). Readers (the peer server, on the event loop) read what has arrived so
 far and wait for more. Until the file is verified the last byte is held back, so a reader
 never completes a transfer of bytes the receiver has not checked itself: a failed file ends
 every reader's transfer short, which the reader treats as its source being unavailable and

@@ -35,14 +35,22 @@ class FetchSource(ABC):
     location: str
 
     @abstractmethod
-    def fetch(self, key: str, size: int, sink: Callable[[bytes], None] | None = None) -> bytes:
-        """The whole object `key`, which the origin says is `size` bytes long.
+    def fetch(
+        self,
+        key: str,
+        size: int,
+        sink: Callable[[bytes], None] | None = None,
+        offset: int = 0,
+    ) -> bytes:
+        """The object `key`, which the origin says is `size` bytes long, from byte `offset`
+        on (the whole of it by default; a later offset continues a transfer that another
+        source began).
 
         With `sink`, every byte received is also passed to it, in order, as it arrives (so
-        that the caller can forward a file before it is complete); the bytes returned are
-        the same ones. Raise `FileNotFoundError` if this source does not hold it,
-        `SourceFailed` if the source fails or stalls. The bytes returned may still be wrong:
-        the caller verifies.
+        that the caller can forward a file before it is complete, or continue from where a
+        failed source stopped); the bytes returned are the same ones. Raise
+        `FileNotFoundError` if this source does not hold it, `SourceFailed` if the source
+        fails or stalls. The bytes returned may still be wrong: the caller verifies.
         """
 
     def close(self) -> None:  # noqa: B027  (most sources hold nothing to release)

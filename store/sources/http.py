@@ -79,16 +79,27 @@ class HttpSource(FetchSource):
         self._owned = client is None
         self._client = open_client(connect_s) if client is None else client
 
-    def fetch(self, key: str, size: int, sink: Callable[[bytes], None] | None = None) -> bytes:
+    def fetch(
+        self,
+        key: str,
+        size: int,
+        sink: Callable[[bytes], None] | None = None,
+        offset: int = 0,
+    ) -> bytes:
         url = f"{self.base_url}/{key}"
-        deadline = time.monotonic() + self.wait_s + self.stall_s + size / self.min_bytes_per_s
+        wanted = size - offset
+        deadline = time.monotonic() + self.wait_s + self.stall_s + wanted / self.min_bytes_per_s
+        headers = self._headers
+        if offset:
+            headers = {**headers, "Range": f"bytes={offset}-"}
         try:
-            with self._client.stream(
-                "GET", url, headers=self._headers, timeout=self._timeout
-            ) as reply:
+            with self._client.stream("GET", url, headers=headers, timeout=self._timeout) as reply:
                 if reply.status_code == 404:
                     raise FileNotFoundError(f"{self.location} does not hold {key}")
-                if reply.status_code != 200:
+                # A server that ignores the range answers the whole file: its first
+                # `offset` bytes are skipped below.
+                skip = offset if reply.status_code == 200 else 0
+                if reply.status_code != 200 and not (offset and reply.status_code == 206):
                     raise SourceFailed(
                         f"{url} answered {reply.status_code}; expected 200 with the file",
                         "unavailable" if reply.status_code in (429, 503) else "error",
@@ -96,23 +107,27 @@ class HttpSource(FetchSource):
                 partial = reply.headers.get(PARTIAL_HEADER) == "1"
                 chunks = []
                 received = 0
-                for chunk in reply.iter_bytes():  # as they arrive: they may be forwarded
+                for piece in reply.iter_bytes():  # as they arrive: they may be forwarded
+                    chunk = piece[skip:]
+                    skip -= len(piece) - len(chunk)
+                    if not chunk:
+                        continue
                     chunks.append(chunk)
                     received += len(chunk)
-                    if received > size:
+                    if received > wanted:
                         break  # longer than the origin says: wrong, no need to read on
                     if sink is not None:
                         sink(chunk)
                     # Past the deadline with bytes still to come: too slow. A file that
                     # arrived whole is kept, however late (the caller verifies it anyway).
-                    if received < size and time.monotonic() > deadline:
+                    if received < wanted and time.monotonic() > deadline:
                         raise SourceFailed(
-                            f"{url} delivered {received} of {size} bytes before its deadline",
+                            f"{url} delivered {received} of {wanted} bytes before its deadline",
                             "stall",
                         )
-                if partial and received < size:
+                if partial and received < wanted:
                     raise SourceFailed(
-                        f"{url} stopped forwarding {key} after {received} of {size} bytes "
+                        f"{url} stopped forwarding {key} after {received} of {wanted} bytes "
                         "(its own source failed)",
                         "unavailable",
                     )

@@ -29,9 +29,19 @@ class ObjectSource(FetchSource):
     def open(cls, url: str, storage_options: dict[str, Any] | None = None) -> ObjectSource:
         return cls(open_objects(url, storage_options))
 
-    def fetch(self, key: str, size: int, sink: Callable[[bytes], None] | None = None) -> bytes:
+    def fetch(
+        self,
+        key: str,
+        size: int,
+        sink: Callable[[bytes], None] | None = None,
+        offset: int = 0,
+    ) -> bytes:
         try:
-            data = self.objects.get(key)
+            data = (
+                self.objects.get_range(key, offset, size - offset)
+                if offset
+                else self.objects.get(key)
+            )
         except StorageUnavailable as exc:
             raise SourceFailed(
                 f"{self.location} did not deliver {key}: {exc}", "unavailable"

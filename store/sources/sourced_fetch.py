@@ -64,6 +64,15 @@ class Attempts(Protocol):
 
 
 @dataclass
+class Held:
+    """The leading bytes of one file that sources delivered without finishing it, and how
+    many came from each kind of source: where the origin continues from."""
+
+    data: bytearray = field(default_factory=bytearray)
+    parts: Counter[str] = field(default_factory=Counter)
+
+
+@dataclass
 class FoundSources:
     """Where one fetch's files may come from, before the origin: the sources of each lane
     (nearest first; a file goes to lane `i % len(lanes)`) and those every file may try
@@ -156,34 +165,60 @@ class SourcedFetch:
         expected: FileDigest,
         attempts: Attempts | None = None,
         lane: int | None = None,
+        held: Held | None = None,
     ) -> bytes | None:
-        """The bytes of `key` from the first source that delivers them intact, or None.
-        `lane`: the file's place among the version's files (its lane's sources go first)."""
+        """The bytes of `key` from the first sources that deliver them intact, or None.
+        `lane`: the file's place among the version's files (its lane's sources go first).
+
+        A source that fails mid-file keeps what it delivered: the next one is asked for the
+        rest, from that offset, into the same attempt, so readers forwarding the file read
+        on instead of starting over (and their readers after them). The whole is verified
+        at the end as always. A whole made of several sources' bytes that does not match is
+        thrown away without blaming any of them (which one lied is unknown), and the next
+        source starts from the first byte. On None, `held` (when given) holds the leading
+        bytes received so far, for the caller to continue from (the origin)."""
+        held = held if held is not None else Held()
+        got, parts = held.data, held.parts  # parts: bytes of `got` by source kind
+        del got[:]
+        parts.clear()
         for source in self.order(lane):
             sink = attempts.sink() if attempts is not None else None
+            start = len(got)
+
+            def take(chunk: bytes, sink: Callable[[bytes], None] | None = sink) -> None:
+                got.extend(chunk)
+                if sink is not None:
+                    sink(chunk)
+
             try:
-                data = source.fetch(key, expected.size, sink)
+                source.fetch(key, expected.size, take, offset=start)
             except FileNotFoundError:
-                if attempts is not None:
-                    attempts.failed()
                 continue
             except SourceFailed as exc:
-                if attempts is not None:
-                    attempts.failed()
                 self._drop(source, key, exc.reason, str(exc), keep=self._first_miss(source, exc))
                 continue
+            finally:
+                if len(got) > start:
+                    parts[source.kind] += len(got) - start
+            data = bytes(got)
             fault = self._mismatch(source, key, data, expected)
             if fault is not None:
                 if attempts is not None:
                     attempts.failed()
                 with self._lock:
                     self.bytes_rejected += len(data)
-                self._drop(source, key, *fault)
+                if start:
+                    log.warning("%s: the bytes of several sources did not match (%s); "
+                                "reading it again from the start", key, fault[1])  # fmt: skip
+                else:
+                    self._drop(source, key, *fault)
+                del got[:]
+                parts.clear()
                 continue
             if attempts is not None:
                 attempts.verified()
             with self._lock:
-                self.bytes_from[source.kind] += len(data)
+                self.bytes_from.update(parts)
             return data
         return None
 
@@ -205,10 +240,18 @@ class SourcedFetch:
             )
         return None
 
-    def count_origin(self, size: int) -> None:
-        """Bytes the reader took from the origin store (when no source delivered)."""
+    def count_origin(self, size: int, held: Held | None = None) -> None:
+        """Bytes the reader took from the origin store (when no source delivered), after
+        the `held` bytes that sources delivered before they failed."""
         with self._lock:
             self.bytes_from["store"] += size
+            if held is not None:
+                self.bytes_from.update(held.parts)
+
+    def reject(self, size: int) -> None:
+        """Bytes received and thrown away (they did not match the origin's record)."""
+        with self._lock:
+            self.bytes_rejected += size
 
     def _first_miss(self, source: FetchSource, exc: SourceFailed) -> bool:
         """Whether `source` stays in use after `exc`: only the first time in this fetch that

@@ -26,6 +26,7 @@ from fastapi import FastAPI
 from engine_agent.peer_server import PeerServer
 from engine_agent.status import AgentStatus
 from store.layout import version_file_key
+from store.manifest import INDEX_FILENAME
 from store.partial_file import PartialFile
 from store.sources import HttpSource, SourcedFetch
 from store.store import Store
@@ -50,6 +51,8 @@ class Upstream:
     release: threading.Event = field(default_factory=threading.Event)
     # "finish": the rest as stored; "cut": close the connection.
     ending: str = "finish"
+    # Send the held file's first half damaged (a lying source).
+    damaged: bool = False
     # Send nothing of the held file until released (a source several hops from the store
     # that is still waiting for the file itself); `half_sent` then means "asked".
     hold_first: bool = False
@@ -68,7 +71,8 @@ def start_upstream(upstream: Upstream) -> http.server.ThreadingHTTPServer:
                 self.wfile.write(data)
                 return
             half = 0 if upstream.hold_first else len(data) // 2
-            self.wfile.write(data[:half])
+            first = bytes(b ^ 0x5A for b in data[:half]) if upstream.damaged else data[:half]
+            self.wfile.write(first)
             self.wfile.flush()
             upstream.half_sent.set()
             upstream.release.wait(DEADLINE_S)
@@ -217,6 +221,16 @@ def catch_up_through_parent(
     return parent, child
 
 
+def version_bytes(tree: Tree) -> int:
+    """The size of every file of version 0 a catch-up reads (its shards and index)."""
+    ref = VersionRef(RUN, 0)
+    manifest = Store(str(tree.origin)).read_manifest(ref)
+    return sum(
+        (tree.origin / version_file_key(ref, name)).stat().st_size
+        for name in [*manifest.shard_files(), INDEX_FILENAME]
+    )
+
+
 def test_a_child_receives_a_file_its_parent_is_still_receiving(tree: Tree) -> None:
     _parent, child = catch_up_through_parent(tree)
     assert child.reasons() == []
@@ -224,16 +238,39 @@ def test_a_child_receives_a_file_its_parent_is_still_receiving(tree: Tree) -> No
     assert child.sourced.bytes_from["peer"] > 0
 
 
-def test_a_parent_whose_upstream_fails_mid_file_sends_the_child_to_the_store(
+def test_a_parent_whose_upstream_fails_mid_file_finishes_it_from_the_store_and_the_child_reads_on(
     tree: Tree,
 ) -> None:
     tree.upstream.ending = "cut"
     parent, child = catch_up_through_parent(tree)
     assert parent.reasons() == ["error"]
-    # The parent did nothing wrong: unavailable for this pass, not a fault to report.
-    assert child.reasons() == ["unavailable"]
+    # The parent read the rest from the store, from where its upstream stopped: the file
+    # was never read twice, and the child's transfer went on. Before, the parent failed
+    # the file, the child's transfer ended short and the child read the whole file from
+    # the store (and so, in a tree, did every engine below it).
+    assert parent.sourced.bytes_rejected == 0
+    # Every byte read once: the held file's first half from the upstream, the rest (and
+    # the files after the upstream was dropped) from the store.
+    assert sum(parent.sourced.bytes_from.values()) == version_bytes(tree)
+    assert child.reasons() == []
     assert child.sourced.bytes_rejected == 0
-    assert child.sourced.bytes_from["store"] > 0
+    assert child.sourced.bytes_from["store"] == 0
+
+
+def test_a_file_half_lied_then_cut_is_read_again_from_the_store_with_no_one_blamed(
+    tree: Tree,
+) -> None:
+    # The upstream damages the first half and then fails: the rest comes from the store,
+    # the whole does not match, and it is read again from the store's first byte. Which
+    # source's bytes were wrong is unknown, so none is reported for bad bytes.
+    tree.upstream.ending = "cut"
+    tree.upstream.damaged = True
+    tree.upstream.release.set()
+    parent = Catchup(tree.parent, HttpSource(tree.upstream.url, stall_s=30))
+    assert same_tensors(parent.result(), tree.history[0])
+    assert parent.reasons() == ["error"]
+    held = (tree.origin / tree.upstream.held).stat().st_size
+    assert parent.sourced.bytes_rejected == held
 
 
 def test_a_parent_lying_mid_stream_is_caught_and_none_of_its_bytes_used(tree: Tree) -> None:

@@ -5,6 +5,7 @@ store serves what is left."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import http.server
 import shutil
@@ -12,12 +13,15 @@ import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from store.checksum import tensor_checksum
 from store.layout import CLAIM_FILENAME, version_file_key
 from store.sources import HttpSource, ObjectSource, SourcedFetch
 from store.sources.http import open_client, shared_tls
+from store.sources.sourced_fetch import FileDigest
 from store.store import Store
 from store.types import VersionRef
 from tests.store.chain import publish_chain, same_tensors
@@ -120,6 +124,96 @@ def test_an_http_distributor_serves_the_catch_up(
     assert sourced.bytes_from["store"] == 0
 
 
+def test_a_source_asked_from_an_offset_delivers_the_rest_with_or_without_ranges(
+    origin: tuple[Store, dict], http_mirror: str, tmp_path: Path
+) -> None:
+    # Python's file server ignores `Range` (200 with the whole file): the source skips the
+    # bytes before the offset itself. A mirror store reads the range.
+    store, _history = origin
+    ref = VersionRef(RUN, 2)
+    key = version_file_key(ref, shards(store, 2)[0])
+    whole = store.objects.get(key)
+    mirror = ObjectSource.open(str(mirror_of(store, tmp_path, "ranged")))
+    for source in (HttpSource(http_mirror), mirror):
+        for offset in (0, 1, len(whole) // 2, len(whole) - 1):
+            seen: list[bytes] = []
+            rest = source.fetch(key, len(whole), seen.append, offset=offset)
+            assert rest == whole[offset:]
+            assert b"".join(seen) == whole[offset:]
+
+
+def test_a_source_failing_mid_file_is_continued_by_the_next_from_where_it_stopped(
+    origin: tuple[Store, dict], http_mirror: str
+) -> None:
+    # The first source cuts the file half way (Content-Length says more); the second is
+    # asked only for the rest, and the whole is checked against the store's digest.
+    store, _history = origin
+    ref = VersionRef(RUN, 2)
+    name = shards(store, 2)[0]
+    key = version_file_key(ref, name)
+    whole = store.objects.get(key)
+    asked: list[int] = []
+    rest = HttpSource(http_mirror)
+    fetch_rest = rest.fetch
+
+    def recorded(*args: Any, **kwargs: Any) -> bytes:
+        asked.append(kwargs.get("offset", 0))
+        return fetch_rest(*args, **kwargs)
+
+    rest.fetch = recorded  # type: ignore[method-assign]
+    received: list[bytes] = []
+    with one_answer([whole[: len(whole) // 2]], len(whole)) as cut_url:
+        sourced = SourcedFetch([HttpSource(cut_url), rest])
+        digest = FileDigest(len(whole), tensor_checksum(whole))
+        assert sourced.fetch(key, digest, received_into(received)) == whole
+    assert b"".join(received) == whole  # one attempt, in order: readers read straight on
+    assert asked == [len(whole) // 2]
+    assert [f.reason for f in sourced.faults] == ["error"]
+    assert sourced.bytes_from["http"] == len(whole)
+
+
+@contextlib.contextmanager
+def one_answer(pieces: list[bytes], length: int, gap_s: float = 0.0) -> Iterator[str]:
+    """A server on 127.0.0.1 answering one request: a 200 whose Content-Length says
+    `length`, then `pieces`, `gap_s` apart, then the connection closed (short of `length`
+    if the pieces are). Yields its URL."""
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % length)
+            for i, piece in enumerate(pieces):
+                if i:
+                    threading.Event().wait(gap_s)
+                conn.sendall(piece)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.getsockname()[1]}"
+    finally:
+        server.close()
+        thread.join(10)
+
+
+def received_into(chunks: list[bytes]) -> Any:
+    """An `Attempts` that keeps every byte written to it (all attempts in one list)."""
+
+    class Kept:
+        def sink(self) -> Any:
+            return chunks.append
+
+        def failed(self) -> None:
+            chunks.append(b"<failed>")
+
+        def verified(self) -> None:
+            pass
+
+    return Kept()
+
+
 def test_a_source_that_never_answers_is_dropped_as_stalled_and_the_store_serves(
     origin: tuple[Store, dict],
 ) -> None:
@@ -143,29 +237,11 @@ def test_a_file_whose_last_bytes_arrive_after_the_deadline_is_kept_not_called_a_
     # in a 1,000-engine fleet on slow links: whole subtrees of the fetch tree then read the
     # store). A transfer still short at the deadline stays a stall.
     body = bytes(range(99))
-    server = socket.create_server(("127.0.0.1", 0))
-
-    def serve() -> None:
-        conn, _ = server.accept()
-        with conn:
-            conn.recv(65536)
-            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body))
-            for at in range(0, len(body), 33):
-                if at:
-                    threading.Event().wait(1.5)
-                conn.sendall(body[at : at + 33])
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
     received: list[bytes] = []
-    try:
-        slow = HttpSource(
-            f"http://127.0.0.1:{server.getsockname()[1]}", stall_s=2.5, min_bytes_per_s=1e12
-        )
+    pieces = [body[at : at + 33] for at in range(0, len(body), 33)]
+    with one_answer(pieces, len(body), gap_s=1.5) as url:
+        slow = HttpSource(url, stall_s=2.5, min_bytes_per_s=1e12)
         assert slow.fetch("key", len(body), sink=received.append) == body
-    finally:
-        server.close()
-        thread.join(10)
     assert b"".join(received) == body
 
 
