@@ -251,8 +251,10 @@ class VersionFiles(Mapping[str, bytes]):
                 return data
         try:
             # From where the sources stopped: readers of the file read on.
-            start = len(held.data)
-            data = bytes(held.data) + self._read_origin(key, self.sizes[name], attempts, start)
+            start = held.size
+            data = b"".join(
+                [*held.chunks, self._read_origin(key, self.sizes[name], attempts, start)]
+            )
             if start and expected is not None and not _matches(data, expected):
                 # The sources' part was wrong (a lying peer that then failed): the origin's
                 # bytes only, and readers start over.
@@ -276,7 +278,7 @@ class VersionFiles(Mapping[str, bytes]):
             )
         if attempts is not None:
             attempts.settle(data, expected)
-        origin_bytes = len(data) - len(held.data)
+        origin_bytes = len(data) - held.size
         with self._lock:
             self.bytes_fetched += origin_bytes
         if self.sources is not None:

@@ -68,8 +68,20 @@ class Held:
     """The leading bytes of one file that sources delivered without finishing it, and how
     many came from each kind of source: where the origin continues from."""
 
-    data: bytearray = field(default_factory=bytearray)
+    # The pieces as they arrived (references, not copies), and how many bytes they hold.
+    chunks: list[bytes] = field(default_factory=list)
+    size: int = 0
     parts: Counter[str] = field(default_factory=Counter)
+
+    def take(self, chunk: bytes, kind: str) -> None:
+        self.chunks.append(chunk)
+        self.size += len(chunk)
+        self.parts[kind] += len(chunk)
+
+    def clear(self) -> None:
+        self.chunks.clear()
+        self.size = 0
+        self.parts.clear()
 
 
 @dataclass
@@ -178,29 +190,27 @@ class SourcedFetch:
         source starts from the first byte. On None, `held` (when given) holds the leading
         bytes received so far, for the caller to continue from (the origin)."""
         held = held if held is not None else Held()
-        got, parts = held.data, held.parts  # parts: bytes of `got` by source kind
-        del got[:]
-        parts.clear()
+        held.clear()
         for source in self.order(lane):
             sink = attempts.sink() if attempts is not None else None
-            start = len(got)
+            start = held.size
 
-            def take(chunk: bytes, sink: Callable[[bytes], None] | None = sink) -> None:
-                got.extend(chunk)
+            def take(
+                chunk: bytes, sink: Callable[[bytes], None] | None = sink, kind: str = source.kind
+            ) -> None:
+                held.take(chunk, kind)
                 if sink is not None:
                     sink(chunk)
 
             try:
-                source.fetch(key, expected.size, take, offset=start)
+                rest = source.fetch(key, expected.size, take, offset=start)
             except FileNotFoundError:
                 continue
             except SourceFailed as exc:
                 self._drop(source, key, exc.reason, str(exc), keep=self._first_miss(source, exc))
                 continue
-            finally:
-                if len(got) > start:
-                    parts[source.kind] += len(got) - start
-            data = bytes(got)
+            # One source from the first byte (the usual case): its own bytes, not a copy.
+            data = rest if not start else b"".join(held.chunks)
             fault = self._mismatch(source, key, data, expected)
             if fault is not None:
                 if attempts is not None:
@@ -212,13 +222,12 @@ class SourcedFetch:
                                 "reading it again from the start", key, fault[1])  # fmt: skip
                 else:
                     self._drop(source, key, *fault)
-                del got[:]
-                parts.clear()
+                held.clear()
                 continue
             if attempts is not None:
                 attempts.verified()
             with self._lock:
-                self.bytes_from.update(parts)
+                self.bytes_from.update(held.parts)
             return data
         return None
 
