@@ -329,3 +329,36 @@ def test_a_forward_waits_past_its_stall_time_for_a_first_byte_the_child_asked_to
     assert child.reasons() == []
     assert child.sourced.bytes_from["store"] == 0
     assert child.sourced.bytes_from["peer"] > 0
+
+
+def test_a_forward_outlasts_a_pause_longer_than_its_stall_time_once_bytes_flow(
+    tree: Tree,
+) -> None:
+    # Half the file is forwarded, then the parent's own source pauses for several of the
+    # parent's stall times: shorter than the parent itself lets its source be silent
+    # (stall + wait), so the parent keeps reading, and its forward must stay open too.
+    stall_s = 0.3
+    servers: list[PeerServer] = []
+
+    def quick_to_stall(server: PeerServer) -> None:
+        server.stall_s = stall_s
+        servers.append(server)
+
+    with serving_peer(tree.parent, quick_to_stall) as parent_url:
+        parent = Catchup(tree.parent, HttpSource(tree.upstream.url, stall_s=30))
+        child = Catchup(
+            tree.child,
+            HttpSource(parent_url, token="engine-token", kind="peer", wait_s=DEADLINE_S),
+        )
+        child_got_bytes_first(tree)
+        # The time under test (not a synchronisation): five of the parent's stall times
+        # with no news after bytes flowed. The forward must still be open after them.
+        time.sleep(5 * stall_s)
+        assert servers[0].uploading > 0, "the forward ended during its source's pause"
+        tree.upstream.release.set()
+        assert same_tensors(parent.result(), tree.history[0])
+        assert same_tensors(child.result(), tree.history[0])
+    # Ending the forward at the stall time made the child read the rest elsewhere.
+    assert child.reasons() == []
+    assert child.sourced.bytes_from["store"] == 0
+    assert child.sourced.bytes_from["peer"] > 0
