@@ -491,6 +491,7 @@ def _measure(config: FleetConfig, work: Path, say: Callable[[str], None]) -> dic
             # How the control plane kept its fleet snapshot current over the window: full
             # reads of every engine's row, and heartbeats patched in without one.
             "cp_snapshot_reads": snapshots["read"],
+            "cp_snapshot_changed_reads": snapshots["changed"],
             "cp_snapshot_patches": snapshots["patch"],
             "controlplane_cpu_cores": round(cp_cpu / wall, 3),
             "swarm_cpu_cores": round(sum(s["cpu_s"] for s in summaries) / wall, 3),
@@ -527,10 +528,11 @@ SNAPSHOTS = "tether_fleet_snapshots_total"
 
 
 def _snapshot_counts(url: str) -> dict[str, int]:
-    """How often the control plane at `url` has read its fleet snapshot from the database,
-    and patched heartbeats into it, so far."""
+    """How often the control plane at `url` has read its fleet snapshot from the database
+    (every row, or the rows written since its last read), and patched heartbeats into it,
+    so far."""
     counted = cp_latency.counter_by(url, SNAPSHOTS, "how")
-    return {how: int(counted.get(how, 0)) for how in ("read", "patch")}
+    return {how: int(counted.get(how, 0)) for how in ("read", "changed", "patch")}
 
 
 def _ms(seconds: float | None) -> float | None:

@@ -67,8 +67,9 @@ class Metrics:
         )
         self.fleet_snapshots = Counter(
             "tether_fleet_snapshots_total",
-            "Fleet snapshots installed: read from the database whole, or patched with this "
-            "process's heartbeats",
+            "Fleet snapshots installed: read from the database whole (read), its rows "
+            "written since the last read merged in (changed), or patched with this "
+            "process's heartbeats (patch)",
             ["how"],
             registry=self.registry,
         )

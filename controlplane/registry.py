@@ -27,6 +27,7 @@ from sqlalchemy import (
     or_,
     select,
     text,
+    true,
     update,
 )
 from sqlalchemy.exc import DBAPIError
@@ -331,8 +332,11 @@ class Registry:
                 # The other replicas drop it now, not at their next periodic read.
                 announce(db, run_id)
 
-    def leased(self, now: float | None = None) -> list[EngineView]:
+    def leased(self, now: float | None = None, since: float | None = None) -> list[EngineView]:
+        """Every engine whose lease has not lapsed at `now`; with `since`, only those whose
+        row was written (registered or heartbeat, `heartbeat_at`) at or after `since`."""
         now = time.time() if now is None else now
+        written = EngineRow.heartbeat_at >= since if since is not None else true()
         with self._sessions() as db:
             rows = db.execute(
                 select(
@@ -352,7 +356,7 @@ class Registry:
                     EngineRow.labels,
                     EngineRow.last_error,
                     EngineRow.engine_kind,
-                ).where(EngineRow.lease_expires_at > now)
+                ).where(EngineRow.lease_expires_at > now, written)
             ).all()
         return [
             EngineView(

@@ -63,7 +63,15 @@ class Services:
         runs = Runs(sessions, settings.store, roots)
         catalog = Catalog(settings.catalog_ttl_s)
         outage = Outage(registry, settings.default_retry_after_s, settings.outage_grace_s)
-        fleet = Fleet(registry, runs, metrics, settings.snapshot_refresh_s, catalog, outage)
+        fleet = Fleet(
+            registry,
+            runs,
+            metrics,
+            settings.snapshot_refresh_s,
+            catalog,
+            outage,
+            full_read_s=settings.snapshot_full_read_s,
+        )
         services: Services
         store_sync = StoreSync(runs, settings.store_sync_s, lambda: services.versions_changed())
         services = cls(

@@ -45,6 +45,9 @@ class ControlPlaneSettings(BaseSettings):
     shutdown_grace_s: float = Field(default=2.0, ge=0)
     # How stale the in-process fleet snapshot may get before it is reloaded from the DB.
     snapshot_refresh_s: float = Field(default=0.5, gt=0)
+    # Those reloads read only the engine rows written since the previous one; every row is
+    # read at least this often (and after any announced change: see controlplane/fleet.py).
+    snapshot_full_read_s: float = Field(default=10.0, gt=0)
     # Long-polls re-check the shared DB this often, so they work across replicas.
     poll_interval_s: float = Field(default=0.25, gt=0)
     max_long_poll_s: float = Field(default=60.0, gt=0)

@@ -187,3 +187,95 @@ def test_a_burst_of_state_changing_heartbeats_is_patched_in_without_reading_the_
             await fleet.stop()
 
     asyncio.run(scenario())
+
+
+def test_leased_since_returns_only_the_engines_written_at_or_after_that_time(
+    stores: tuple[Registry, Runs],
+) -> None:
+    registry, _ = stores
+    quiet = register(registry, 1)
+    beaten = register(registry, 2)
+    written = time.time()
+    # Strictly after `written`, whatever the clock's resolution.
+    while time.time() <= written:
+        pass
+    registry.heartbeat(
+        beaten, Heartbeat.model_validate({"applied_version": 0, "sync_state": "ready"})
+    )
+    newcomer = register(registry, 3)
+
+    assert {e.engine_id for e in registry.leased()} == {quiet, beaten, newcomer}
+    assert {e.engine_id for e in registry.leased(since=written)} == {beaten, newcomer}
+    assert registry.leased(since=time.time() + 60) == []
+
+
+def test_periodic_reads_merge_the_rows_written_since_and_a_whole_read_drops_what_they_cannot_see(
+    stores: tuple[Registry, Runs],
+) -> None:
+    registry, runs = stores
+    engine_ids = [register(registry, host) for host in range(1, 5)]
+    # Another replica's writes: straight to the database, nothing noted in this process.
+    other_replica_beat = Heartbeat.model_validate(
+        {"applied_version": 0, "sync_state": "syncing", "staging_target": 1, "in_flight": 7}
+    )
+
+    async def scenario() -> None:
+        metrics = Metrics()
+        fleet = Fleet(registry, runs, metrics, refresh_s=0.05, full_read_s=3600.0)
+        await fleet.start()
+        try:
+            assert snapshots(metrics, "read") == 1  # the start's
+            await asyncio.to_thread(registry.heartbeat, engine_ids[0], other_replica_beat)
+            deadline = time.monotonic() + DEADLINE_S
+            while fleet.snapshot.engines[engine_ids[0]].in_flight != 7:
+                assert time.monotonic() < deadline, "the other replica's beat was never read"
+                await asyncio.sleep(0.01)
+            assert snapshots(metrics, "changed") >= 1
+            assert snapshots(metrics, "read") == 1
+            # The merged snapshot is what a read of every row gives.
+            whole = await asyncio.to_thread(fleet.load)
+            assert fleet.snapshot.engines == whole.engines
+            assert fleet.snapshot.targets == whole.targets
+            assert set(fleet.snapshot.engines) == set(engine_ids)
+
+            # A deregistration another replica did not announce is not a written row: the
+            # reads of changed rows keep the engine until a read of every row.
+            await asyncio.to_thread(registry.deregister, engine_ids[1])
+            changed = snapshots(metrics, "changed")
+            while snapshots(metrics, "changed") < changed + 2:
+                assert time.monotonic() < deadline, "no read of changed rows came"
+                await asyncio.sleep(0.01)
+            assert engine_ids[1] in fleet.snapshot.engines
+            fleet.full_read_s = 0.05
+            while engine_ids[1] in fleet.snapshot.engines:
+                assert time.monotonic() < deadline, "no read of every row came"
+                await asyncio.sleep(0.01)
+            assert snapshots(metrics, "read") >= 2
+        finally:
+            await fleet.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_deregistration_in_this_process_is_read_whole_at_once(
+    stores: tuple[Registry, Runs],
+) -> None:
+    registry, runs = stores
+    engine_ids = [register(registry, host) for host in range(1, 4)]
+
+    async def scenario() -> None:
+        metrics = Metrics()
+        fleet = Fleet(registry, runs, metrics, refresh_s=0.05, full_read_s=3600.0)
+        await fleet.start()
+        try:
+            await asyncio.to_thread(registry.deregister, engine_ids[0])
+            fleet.note_departed(engine_ids[0])
+            deadline = time.monotonic() + DEADLINE_S
+            while engine_ids[0] in fleet.snapshot.engines:
+                assert time.monotonic() < deadline, "the deregistration never left the snapshot"
+                await asyncio.sleep(0.01)
+            assert snapshots(metrics, "read") >= 2
+        finally:
+            await fleet.stop()
+
+    asyncio.run(scenario())
