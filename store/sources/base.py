@@ -18,12 +18,15 @@ class SourceFailed(StoreError):
     """A fetch source failed to deliver a file: no answer, an error answer, or a stall.
 
     `reason` is a short machine-readable word (`stall`, `error`, `unavailable`) for metrics
-    and reports. Recovery: drop the source for this catch-up and try the next one.
+    and reports. `suspect`: the bytes it delivered before failing may be wrong (a peer
+    forwarding a file that failed its own check), so nothing may be continued from them.
+    Recovery: drop the source for this catch-up and try the next one.
     """
 
-    def __init__(self, message: str, reason: str = "error") -> None:
+    def __init__(self, message: str, reason: str = "error", suspect: bool = False) -> None:
         super().__init__(message)
         self.reason = reason
+        self.suspect = suspect
 
 
 class FetchSource(ABC):

@@ -130,6 +130,9 @@ class HttpSource(FetchSource):
                         f"{url} stopped forwarding {key} after {received} of {wanted} bytes "
                         "(its own source failed)",
                         "unavailable",
+                        # The forward ends short when the peer's copy failed its digest
+                        # (it forwards before it verifies), so its bytes may be wrong.
+                        suspect=True,
                     )
                 return b"".join(chunks)
         except httpx.TimeoutException as exc:

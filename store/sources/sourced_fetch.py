@@ -184,7 +184,12 @@ class SourcedFetch:
 
         A source that fails mid-file keeps what it delivered: the next one is asked for the
         rest, from that offset, into the same attempt, so readers forwarding the file read
-        on instead of starting over (and their readers after them). The whole is verified
+        on instead of starting over (and their readers after them). Unless its failure
+        says those bytes may be wrong (`SourceFailed.suspect`: a peer whose own copy failed
+        its digest after it forwarded part of it): then they are thrown away, readers start
+        over, and the next source starts from the first byte. Continuing from them made a
+        lying peer's bytes travel down the tree and every engine below read the file twice,
+        once continued, once whole from the store. The whole is verified
         at the end as always. A whole made of several sources' bytes that does not match is
         thrown away without blaming any of them (which one lied is unknown), and the next
         source starts from the first byte. On None, `held` (when given) holds the leading
@@ -208,6 +213,14 @@ class SourcedFetch:
                 continue
             except SourceFailed as exc:
                 self._drop(source, key, exc.reason, str(exc), keep=self._first_miss(source, exc))
+                if exc.suspect and held.size:
+                    # Nothing is continued from bytes that may be wrong: start over, and so
+                    # do the readers that were forwarded them.
+                    if attempts is not None:
+                        attempts.failed()
+                    with self._lock:
+                        self.bytes_rejected += held.size
+                    held.clear()
                 continue
             # One source from the first byte (the usual case): its own bytes, not a copy.
             data = rest if not start else b"".join(held.chunks)

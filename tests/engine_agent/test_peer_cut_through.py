@@ -362,3 +362,22 @@ def test_a_forward_outlasts_a_pause_longer_than_its_stall_time_once_bytes_flow(
     assert child.reasons() == []
     assert child.sourced.bytes_from["store"] == 0
     assert child.sourced.bytes_from["peer"] > 0
+
+
+def test_bytes_forwarded_from_a_copy_that_then_failed_its_digest_are_thrown_away_not_continued(
+    tree: Tree,
+) -> None:
+    # The parent's upstream lies in the first half: the parent forwards those bytes, then
+    # finds the whole does not match and fails the file. The child must not continue from
+    # the bytes it was forwarded (they are the lie): it starts the file over from its next
+    # source. Before, it continued from them, found the whole wrong, and read the file again.
+    tree.upstream.damaged = True
+    parent, child = catch_up_through_parent(tree)
+    held = (tree.origin / tree.upstream.held).stat().st_size
+    assert parent.reasons() == ["digest"]
+    assert "unavailable" in child.reasons()
+    assert "digest" not in child.reasons()
+    # Only what the parent forwarded before it failed the file was thrown away, not a
+    # whole file assembled from two sources.
+    assert 0 < child.sourced.bytes_rejected < held
+    assert child.sourced.bytes_from["store"] >= held
