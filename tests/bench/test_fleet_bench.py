@@ -19,7 +19,15 @@ import pytest
 
 from bench.capped_link import Egress, Link, SharedLink
 from bench.cp_latency import above, quantile, window
-from bench.fleet import FleetConfig, fit, fraction_time, measure, models
+from bench.fleet import (
+    CONVERGE_DEADLINE_S,
+    FleetConfig,
+    converge_deadline,
+    fit,
+    fraction_time,
+    measure,
+    models,
+)
 from bench.swarm import MB
 from launcher.postgres import find_pg_bin
 from launcher.seaweed import find_weed
@@ -214,3 +222,10 @@ def test_the_time_to_a_fraction_counts_the_engines_that_never_got_there() -> Non
     assert fraction_time([1.0, 2.0, 3.0], total=4, fraction=0.5) == 2.0
     assert fraction_time([1.0, 2.0, 3.0], total=4, fraction=0.75) == 3.0
     assert fraction_time([1.0, 2.0, 3.0], total=4, fraction=1.0) is None
+
+
+def test_the_convergence_deadline_grows_with_one_engines_catch_up_on_slow_links() -> None:
+    # Fast links: the fixed deadline. A 156 s single catch-up (0.75 kB/s links): a first
+    # catch-up of the fleet that needs ~2,000 s is not cut off at 600 s.
+    assert converge_deadline(0.6) == CONVERGE_DEADLINE_S
+    assert converge_deadline(156.0) >= 3000.0
