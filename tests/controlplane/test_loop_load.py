@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -52,6 +52,14 @@ def register(registry: Registry, host: int = 1) -> str:
         sync_state="ready",
     )
     return registry.register(body, None)[0]
+
+
+async def until(check: Callable[[], bool], what: str) -> None:
+    """Poll `check` on the event loop until it holds; fail naming `what` at the deadline."""
+    deadline = time.monotonic() + DEADLINE_S
+    while not check():
+        assert time.monotonic() < deadline, f"{what} never happened"
+        await asyncio.sleep(0.01)
 
 
 def test_a_heartbeat_is_committed_while_every_thread_of_the_shared_pool_is_busy(
@@ -158,10 +166,10 @@ def test_a_burst_of_state_changing_heartbeats_is_patched_in_without_reading_the_
                         }
                     )
                     await asyncio.gather(*(heartbeats.answer(e, beat) for e in engine_ids))
-            deadline = time.monotonic() + DEADLINE_S
-            while {e.applied_version for e in fleet.snapshot.engines.values()} != {last}:
-                assert time.monotonic() < deadline, "the beats never reached the snapshot"
-                await asyncio.sleep(0.01)
+            await until(
+                lambda: {e.applied_version for e in fleet.snapshot.engines.values()} == {last},
+                "the beats reaching the snapshot",
+            )
 
             # 48 state changes, and the database was read only at the start.
             assert snapshots(metrics, "read") == 1
@@ -177,10 +185,9 @@ def test_a_burst_of_state_changing_heartbeats_is_patched_in_without_reading_the_
             # A registration is not a heartbeat: it reads the database at once.
             newcomer = register(registry, 9)
             fleet.mark_dirty()
-            deadline = time.monotonic() + DEADLINE_S
-            while newcomer not in fleet.snapshot.engines:
-                assert time.monotonic() < deadline, "the registration never reached the snapshot"
-                await asyncio.sleep(0.01)
+            await until(
+                lambda: newcomer in fleet.snapshot.engines, "the registration reaching the snapshot"
+            )
             assert snapshots(metrics, "read") == 2
         finally:
             await heartbeats.writer.stop()
@@ -226,10 +233,10 @@ def test_periodic_reads_merge_the_rows_written_since_and_a_whole_read_drops_what
         try:
             assert snapshots(metrics, "read") == 1  # the start's
             await asyncio.to_thread(registry.heartbeat, engine_ids[0], other_replica_beat)
-            deadline = time.monotonic() + DEADLINE_S
-            while fleet.snapshot.engines[engine_ids[0]].in_flight != 7:
-                assert time.monotonic() < deadline, "the other replica's beat was never read"
-                await asyncio.sleep(0.01)
+            await until(
+                lambda: fleet.snapshot.engines[engine_ids[0]].in_flight == 7,
+                "a read of the other replica's beat",
+            )
             assert snapshots(metrics, "changed") >= 1
             assert snapshots(metrics, "read") == 1
             # The merged snapshot is what a read of every row gives.
@@ -242,14 +249,12 @@ def test_periodic_reads_merge_the_rows_written_since_and_a_whole_read_drops_what
             # reads of changed rows keep the engine until a read of every row.
             await asyncio.to_thread(registry.deregister, engine_ids[1])
             changed = snapshots(metrics, "changed")
-            while snapshots(metrics, "changed") < changed + 2:
-                assert time.monotonic() < deadline, "no read of changed rows came"
-                await asyncio.sleep(0.01)
+            await until(
+                lambda: snapshots(metrics, "changed") >= changed + 2, "two reads of changed rows"
+            )
             assert engine_ids[1] in fleet.snapshot.engines
             fleet.full_read_s = 0.05
-            while engine_ids[1] in fleet.snapshot.engines:
-                assert time.monotonic() < deadline, "no read of every row came"
-                await asyncio.sleep(0.01)
+            await until(lambda: engine_ids[1] not in fleet.snapshot.engines, "a read of every row")
             assert snapshots(metrics, "read") >= 2
         finally:
             await fleet.stop()
@@ -270,10 +275,10 @@ def test_a_deregistration_in_this_process_is_read_whole_at_once(
         try:
             await asyncio.to_thread(registry.deregister, engine_ids[0])
             fleet.note_departed(engine_ids[0])
-            deadline = time.monotonic() + DEADLINE_S
-            while engine_ids[0] in fleet.snapshot.engines:
-                assert time.monotonic() < deadline, "the deregistration never left the snapshot"
-                await asyncio.sleep(0.01)
+            await until(
+                lambda: engine_ids[0] not in fleet.snapshot.engines,
+                "the deregistration leaving the snapshot",
+            )
             assert snapshots(metrics, "read") >= 2
         finally:
             await fleet.stop()

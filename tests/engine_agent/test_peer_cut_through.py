@@ -295,12 +295,20 @@ def test_a_parent_lying_mid_stream_is_caught_and_none_of_its_bytes_used(tree: Tr
     assert child.sourced.bytes_from["store"] > 0
 
 
-def test_a_forward_waits_past_its_stall_time_for_a_first_byte_the_child_asked_to_wait_for(
-    tree: Tree,
+@pytest.mark.parametrize(
+    "hold_first",
+    [True, False],
+    ids=["before-the-first-byte", "once-bytes-flow"],
+)
+def test_a_forward_outlasts_a_pause_of_several_stall_times_in_its_agents_own_source(
+    tree: Tree, hold_first: bool
 ) -> None:
-    # The parent's own source sends nothing for several of the parent's stall times; the
-    # child asked to wait (as an agent does). Once the first byte comes, stall times apply.
-    tree.upstream.hold_first = True
+    # The parent's own source sends nothing (before-the-first-byte), or half the file and
+    # then nothing (once-bytes-flow), for several of the parent's stall times. Before the
+    # first byte the child's wait holds (it asked to wait, as an agent does); after it, the
+    # parent's own patience with its source (stall + wait): the parent keeps reading, so
+    # its forward must stay open too.
+    tree.upstream.hold_first = hold_first
     stall_s = 0.3
     servers: list[PeerServer] = []
 
@@ -314,51 +322,21 @@ def test_a_forward_waits_past_its_stall_time_for_a_first_byte_the_child_asked_to
             tree.child,
             HttpSource(parent_url, token="engine-token", kind="peer", wait_s=DEADLINE_S),
         )
-        assert tree.upstream.half_sent.wait(DEADLINE_S), "the parent never asked the upstream"
-        wait_until(
-            lambda: servers[0].uploading > 0, DEADLINE_S, "the parent to forward to the child"
-        )
+        if hold_first:
+            assert tree.upstream.half_sent.wait(DEADLINE_S), "the parent never asked"
+            wait_until(
+                lambda: servers[0].uploading > 0, DEADLINE_S, "the parent to forward to the child"
+            )
+        else:
+            child_got_bytes_first(tree)
         # The time under test (not a synchronisation): five of the parent's stall times
-        # with nothing to forward. The forward must still be open after them.
-        time.sleep(5 * stall_s)
-        assert servers[0].uploading > 0, "the forward ended before its first byte"
-        tree.upstream.release.set()
-        assert same_tensors(parent.result(), tree.history[0])
-        assert same_tensors(child.result(), tree.history[0])
-    # Ending the forward at the stall time sent the child to the store ("unavailable").
-    assert child.reasons() == []
-    assert child.sourced.bytes_from["store"] == 0
-    assert child.sourced.bytes_from["peer"] > 0
-
-
-def test_a_forward_outlasts_a_pause_longer_than_its_stall_time_once_bytes_flow(
-    tree: Tree,
-) -> None:
-    # Half the file is forwarded, then the parent's own source pauses for several of the
-    # parent's stall times: shorter than the parent itself lets its source be silent
-    # (stall + wait), so the parent keeps reading, and its forward must stay open too.
-    stall_s = 0.3
-    servers: list[PeerServer] = []
-
-    def quick_to_stall(server: PeerServer) -> None:
-        server.stall_s = stall_s
-        servers.append(server)
-
-    with serving_peer(tree.parent, quick_to_stall) as parent_url:
-        parent = Catchup(tree.parent, HttpSource(tree.upstream.url, stall_s=30))
-        child = Catchup(
-            tree.child,
-            HttpSource(parent_url, token="engine-token", kind="peer", wait_s=DEADLINE_S),
-        )
-        child_got_bytes_first(tree)
-        # The time under test (not a synchronisation): five of the parent's stall times
-        # with no news after bytes flowed. The forward must still be open after them.
+        # with nothing new to forward. The forward must still be open after them.
         time.sleep(5 * stall_s)
         assert servers[0].uploading > 0, "the forward ended during its source's pause"
         tree.upstream.release.set()
         assert same_tensors(parent.result(), tree.history[0])
         assert same_tensors(child.result(), tree.history[0])
-    # Ending the forward at the stall time made the child read the rest elsewhere.
+    # Ending the forward at the stall time sent the child elsewhere ("unavailable").
     assert child.reasons() == []
     assert child.sourced.bytes_from["store"] == 0
     assert child.sourced.bytes_from["peer"] > 0
