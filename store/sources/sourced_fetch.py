@@ -218,8 +218,7 @@ class SourcedFetch:
                     # do the readers that were forwarded them.
                     if attempts is not None:
                         attempts.failed()
-                    with self._lock:
-                        self.bytes_rejected += held.size
+                    self.reject(held.size)
                     held.clear()
                 continue
             # One source from the first byte (the usual case): its own bytes, not a copy.
@@ -228,8 +227,7 @@ class SourcedFetch:
             if fault is not None:
                 if attempts is not None:
                     attempts.failed()
-                with self._lock:
-                    self.bytes_rejected += len(data)
+                self.reject(len(data))
                 if start:
                     log.warning("%s: the bytes of several sources did not match (%s); "
                                 "reading it again from the start", key, fault[1])  # fmt: skip
