@@ -52,6 +52,11 @@ _PLAN_BACKOFF_FIRST_S = 0.25
 _PLAN_BACKOFF_MAX_S = 2.0
 # Faults worth the control plane's attention; a busy peer (503) is not one.
 _REPORTED = frozenset({"digest", "size", "stall", "error"})
+# A peer forwarding a file it is still receiving may be silent for this many of its own
+# source timeouts (`stall_s + wait_s`): when its source fails it waits one of them, then
+# its next source may wait for the file too. A child that gave up after one timeout gave
+# up just before the bytes came back, and so did each level below it.
+FORWARD_STALL_TIMEOUTS = 3
 
 
 def open_source(
@@ -268,6 +273,7 @@ class PeerFetch:
                         stall_s=self.stall_s,
                         min_bytes_per_s=self.min_bytes_per_s,
                         client=self.client,
+                        forward_stall_s=FORWARD_STALL_TIMEOUTS * (self.stall_s + self.wait_s),
                     )
         return [[by_url[p.url] for p in lane if p.url in by_url] for lane in lanes]
 

@@ -10,7 +10,10 @@ Deadlines: a server may hold a request while it fetches the file itself (a peer 
 catching up; the wait it may take is sent in `WAIT_HEADER`). After that, a transfer that
 delivers nothing for `stall_s`, or that runs slower than `min_bytes_per_s` overall, is a
 stall: `SourceFailed("stall")`, and the caller moves on. A file whose last byte has arrived
-is never a stall: its bytes are kept, however late they came.
+is never a stall: its bytes are kept, however late they came. A forward (a peer passing on
+a file it is still receiving, `PARTIAL_HEADER`) may be silent for `forward_stall_s`
+instead: its pauses are its server's own source recovering, which takes that source's
+whole timeout and then the next source's first byte.
 
 Clients: opening an `httpx.Client` loads the CA bundle into a new TLS context (0.1–0.3 s of
 CPU, holding the GIL), so every source shares one process-wide TLS context, and an agent
@@ -64,6 +67,7 @@ class HttpSource(FetchSource):
         min_bytes_per_s: float = 1 << 20,
         connect_s: float = 2.0,
         client: httpx.Client | None = None,
+        forward_stall_s: float | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.location = self.base_url
@@ -75,6 +79,8 @@ class HttpSource(FetchSource):
         if wait_s > 0:
             self._headers[WAIT_HEADER] = f"{wait_s:g}"
         self._timeout = httpx.Timeout(stall_s + wait_s, connect=connect_s)
+        # How long a forward may deliver nothing (no less than any other answer).
+        self.forward_stall_s = max(forward_stall_s or 0.0, stall_s + wait_s)
         # A client passed in belongs to the caller (shared by many sources); never closed here.
         self._owned = client is None
         self._client = open_client(connect_s) if client is None else client
@@ -105,6 +111,8 @@ class HttpSource(FetchSource):
                         "unavailable" if reply.status_code in (429, 503) else "error",
                     )
                 partial = reply.headers.get(PARTIAL_HEADER) == "1"
+                if partial:
+                    _patient_body(reply, self.forward_stall_s)
                 chunks = []
                 received = 0
                 for piece in reply.iter_bytes():  # as they arrive: they may be forwarded
@@ -143,3 +151,12 @@ class HttpSource(FetchSource):
     def close(self) -> None:
         if self._owned:
             self._client.close()
+
+
+def _patient_body(reply: httpx.Response, read_s: float) -> None:
+    """Let the body of `reply` (not read yet) be silent for `read_s` between bytes. httpcore
+    takes the read timeout of a body from the request's `timeout` extension when the body
+    is first read, so one set here holds for this body alone."""
+    timeouts = reply.request.extensions.get("timeout")
+    if isinstance(timeouts, dict):
+        reply.request.extensions["timeout"] = {**timeouts, "read": read_s}

@@ -20,7 +20,8 @@ import pytest
 from store.checksum import tensor_checksum
 from store.layout import CLAIM_FILENAME, version_file_key
 from store.sources import HttpSource, ObjectSource, SourcedFetch
-from store.sources.http import open_client, shared_tls
+from store.sources.base import SourceFailed
+from store.sources.http import PARTIAL_HEADER, open_client, shared_tls
 from store.sources.sourced_fetch import FileDigest
 from store.store import Store
 from store.types import VersionRef
@@ -173,17 +174,19 @@ def test_a_source_failing_mid_file_is_continued_by_the_next_from_where_it_stoppe
 
 
 @contextlib.contextmanager
-def one_answer(pieces: list[bytes], length: int, gap_s: float = 0.0) -> Iterator[str]:
+def one_answer(
+    pieces: list[bytes], length: int, gap_s: float = 0.0, head: bytes = b""
+) -> Iterator[str]:
     """A server on 127.0.0.1 answering one request: a 200 whose Content-Length says
-    `length`, then `pieces`, `gap_s` apart, then the connection closed (short of `length`
-    if the pieces are). Yields its URL."""
+    `length` (more header lines in `head`), then `pieces`, `gap_s` apart, then the
+    connection closed (short of `length` if the pieces are). Yields its URL."""
     server = socket.create_server(("127.0.0.1", 0))
 
     def serve() -> None:
         conn, _ = server.accept()
         with conn:
             conn.recv(65536)
-            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % length)
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n%s\r\n" % (length, head))
             for i, piece in enumerate(pieces):
                 if i:
                     threading.Event().wait(gap_s)
@@ -243,6 +246,29 @@ def test_a_file_whose_last_bytes_arrive_after_the_deadline_is_kept_not_called_a_
         slow = HttpSource(url, stall_s=2.5, min_bytes_per_s=1e12)
         assert slow.fetch("key", len(body), sink=received.append) == body
     assert b"".join(received) == body
+
+
+@pytest.mark.parametrize("forward", [True, False], ids=["a-forward", "a-file-on-disk"])
+def test_a_forward_may_pause_while_its_server_changes_source_a_file_on_disk_may_not(
+    forward: bool,
+) -> None:
+    # Half a file, then a pause of twice the source's stall limit (stall + wait), then the
+    # rest. From a peer forwarding a file it is still receiving, the pause is that peer's
+    # own source timing out and the next one taking over; the child waited the same 35 s
+    # as its parent and so gave up the moment before the bytes came back (a cascade of
+    # 110 stalls in a minute down one subtree, 1,000 engines on slow links). A file
+    # served whole from disk that pauses so long is still a stall.
+    body = bytes(range(100))
+    head = b"%s: 1\r\n" % PARTIAL_HEADER.encode() if forward else b""
+    with one_answer([body[:50], body[50:]], len(body), gap_s=1.0, head=head) as url:
+        source = HttpSource(url, stall_s=0.3, wait_s=0.2, forward_stall_s=3.0,
+                            min_bytes_per_s=1e12)  # fmt: skip
+        if forward:
+            assert source.fetch("key", len(body)) == body
+        else:
+            with pytest.raises(SourceFailed) as failed:
+                source.fetch("key", len(body))
+            assert failed.value.reason == "stall"
 
 
 def test_a_source_that_does_not_hold_a_file_is_a_miss_not_a_fault(
