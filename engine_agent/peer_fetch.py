@@ -26,6 +26,7 @@ import contextlib
 import logging
 import random
 import time
+import weakref
 from collections.abc import Callable
 
 import httpx
@@ -118,11 +119,18 @@ class PeerFetch:
         # One HTTP client for every source of every pass (keep-alive to the same parents;
         # opening one per peer per pass is what stalled a swarm's event loop).
         self.client: httpx.Client | None = None
+        # The fetches handed out and not yet finished: closed with the client, so that the
+        # reads it cuts short are not logged as faults of their sources.
+        self._open: weakref.WeakSet[SourcedFetch] = weakref.WeakSet()
+
+    def _opened(self, sourced: SourcedFetch) -> SourcedFetch:
+        self._open.add(sourced)
+        return sourced
 
     async def sources(self, version: int) -> SourcedFetch:
         """The sources to try for `version`'s files, in order (possibly none)."""
         found = await self._find(version, await self._plan(version))
-        return SourcedFetch(found.rest, lanes=found.lanes)
+        return self._opened(SourcedFetch(found.rest, lanes=found.lanes))
 
     def begin(self, version: int) -> SourcedFetch:
         """`sources` without waiting: the fetch plan is asked for while the pass plans its
@@ -133,8 +141,10 @@ class PeerFetch:
         # One pass at a time: the plan of an earlier pass is no longer wanted.
         self._plans = {version: plan}
         found = asyncio.run_coroutine_threadsafe(self._find_after(version, plan), loop)
-        return SourcedFetch(
-            [], first=found, first_wait_s=_REGISTRATION_WAIT_S + PLAN_RETRY_S + self.wait_s
+        return self._opened(
+            SourcedFetch(
+                [], first=found, first_wait_s=_REGISTRATION_WAIT_S + PLAN_RETRY_S + self.wait_s
+            )
         )
 
     async def relayed(self, run_id: str, version: int) -> dict[int, RelayedVersion]:
@@ -310,7 +320,10 @@ class PeerFetch:
         sourced.close()
 
     def close(self) -> None:
-        """Release the shared HTTP client (when the agent stops)."""
+        """Release the shared HTTP client (when the agent stops), after closing the fetches
+        still using it (their worker threads may be mid-read)."""
+        for sourced in list(self._open):
+            sourced.close()
         if self.client is not None:
             self.client.close()
             self.client = None

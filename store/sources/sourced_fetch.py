@@ -130,6 +130,9 @@ class SourcedFetch:
         # Sources that were once unavailable for a file in this fetch (kept for the others
         # until it happens again).
         self._unavailable: set[FetchSource] = set()
+        # Set by `close`: faults after it are the reader stopping under a fetch still
+        # running (its client closed), not news about the sources.
+        self.closed = False
 
     @property
     def sources(self) -> list[FetchSource]:
@@ -297,7 +300,8 @@ class SourcedFetch:
             if source in self.sources and not keep:
                 self.sources.remove(source)
             self.faults.append(fault)
-        log.warning(
+        log.log(
+            logging.DEBUG if self.closed else logging.WARNING,
             "%s fetch source %s (%s): %s",
             "skipped" if keep else "dropped",
             source.location,
@@ -308,6 +312,9 @@ class SourcedFetch:
             self.on_fault(fault)
 
     def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
         if self._first is not None:
             self._first.cancel()
         for source in {*self._sources, *(fault.source for fault in self.faults)}:
