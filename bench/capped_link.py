@@ -22,10 +22,12 @@ from store.objects.base import Cell, Listing, ObjectStore
 
 
 class Link:
-    """A link of `rate` bytes/s shared by every transfer that reserves it (FIFO)."""
+    """A link of `rate` bytes/s shared by every transfer that reserves it (FIFO), times
+    `factor` (a bench may run a phase it does not measure on faster links)."""
 
     def __init__(self, rate: float | None) -> None:
         self.rate = rate
+        self.factor = 1.0
         self._free_at = 0.0
         self._lock = threading.Lock()
 
@@ -36,7 +38,7 @@ class Link:
             return now
         with self._lock:
             start = max(now, self._free_at)
-            self._free_at = start + size / self.rate
+            self._free_at = start + size / (self.rate * self.factor)
             return self._free_at
 
 
@@ -48,6 +50,15 @@ class SharedLink(Link):
     def __init__(self, rate: float | None, context: BaseContext) -> None:
         self.rate = rate
         self._shared_free_at = context.Value("d", 0.0, lock=True)
+        self._shared_factor = context.Value("d", 1.0, lock=False)
+
+    @property
+    def factor(self) -> float:
+        return float(self._shared_factor.value)
+
+    @factor.setter
+    def factor(self, value: float) -> None:
+        self._shared_factor.value = value
 
     def reserve(self, size: int, now: float) -> float:
         if self.rate is None or self.rate <= 0:
@@ -55,7 +66,7 @@ class SharedLink(Link):
         free_at = self._shared_free_at
         with free_at.get_lock():
             start = max(now, free_at.value)
-            free_at.value = start + size / self.rate
+            free_at.value = start + size / (self.rate * self.factor)
             return float(free_at.value)
 
 

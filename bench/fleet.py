@@ -103,6 +103,10 @@ class FleetConfig:
     # CPUs of the control plane and its PostgreSQL alone; the bench, its swarm and the S3
     # server run on the others. Empty: everything shares every core.
     controlplane_cpus: frozenset[int] = frozenset()
+    # Every link runs this many times its cap until the whole fleet serves its first
+    # version (not measured), so that on slow links a cold start of every engine at once
+    # does not take most of the run; the measured versions run at the caps.
+    first_catchup_speedup: float = 1.0
 
     @property
     def caps(self) -> dict[str, float]:
@@ -352,6 +356,8 @@ def _measure(config: FleetConfig, work: Path, say: Callable[[str], None]) -> dic
             single_s = pool.reached(v1, trainer.published_at[v1])[0]
             say(f"single engine catches up on v{v1} ({trainer.sizes[v1]} B) in {single_s:.3f}s")
         started = time.perf_counter()
+        if config.first_catchup_speedup != 1.0:
+            pool.speed_up(config.first_catchup_speedup)
         pool.add(range(1, config.engines))
         # Time to start them at the asked rate, and as long again for a slow machine.
         start_deadline = 120.0 + 2 * config.engines / config.start_per_s
@@ -362,6 +368,8 @@ def _measure(config: FleetConfig, work: Path, say: Callable[[str], None]) -> dic
         )
         registered_s = time.perf_counter() - started
         pool.wait_serving(v1, config.engines, converge_deadline(single_s))
+        if config.first_catchup_speedup != 1.0:
+            pool.speed_up(1.0)
         say(
             f"{config.engines} agents in {procs} processes registered in {registered_s:.1f}s, "
             f"on v{v1} in {time.perf_counter() - started:.1f}s"
@@ -441,6 +449,7 @@ def _measure(config: FleetConfig, work: Path, say: Callable[[str], None]) -> dic
             "caps": config.caps,
             "controlplane_cpus": sorted(config.controlplane_cpus),
             "heartbeat_interval_s": config.heartbeat_s,
+            "first_catchup_speedup": config.first_catchup_speedup,
             "swarm_procs": procs,
             "agents_registered_s": round(registered_s, 2),
             "single_catchup_s": round(single_s, 4),
@@ -699,6 +708,12 @@ def run(
     earlier: list[Path] = typer.Option(
         [], help="saved output of an earlier run: its scales join this run's for the models"
     ),
+    first_catchup_speedup: float = typer.Option(
+        1.0,
+        callback=_positive,
+        help="run every link this many times its cap until the fleet serves its first "
+        "version (not measured); the measured versions run at the caps",
+    ),
     controlplane_cpus: str = typer.Option(
         "",
         help="CPUs (e.g. 0 or 0-1) for the control plane and its PostgreSQL alone; the swarm "
@@ -727,6 +742,7 @@ def run(
             procs=swarm_procs or default_procs(cores), start_per_s=start_per_s, peers=peers,
             bad_peers=bad_peers, peer_fanout=peer_fanout, shards=shards,
             peer_chunk_bytes=peer_chunk_bytes, controlplane_cpus=cores,
+            first_catchup_speedup=first_catchup_speedup,
         )  # fmt: skip
         print(
             f"--- {n} engines in {min(n, config.procs)} swarm processes, caps {config.caps}, "

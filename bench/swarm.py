@@ -138,6 +138,14 @@ class SwarmPool:
         for commands in self._commands:
             commands.put(("record", on))
 
+    def speed_up(self, factor: float) -> None:
+        """Run every link (the agents', their peer uploads and the store's egress) at
+        `factor` times its cap from now on, agents started later included; 1 restores
+        the caps. For a phase the bench does not measure (the fleet's first catch-up)."""
+        self.store_link.factor = factor
+        for commands in self._commands:
+            commands.put(("speed", factor))
+
     def serving(self, version: int) -> int:
         return sum(1 for v in self.applied.values() if v >= version)
 
@@ -304,6 +312,8 @@ async def _serve(worker: int, spec: SwarmSpec, pipes: Pipes) -> None:
                 background.append(asyncio.create_task(share.start(command[1]), name="start"))
             elif command[0] == "record":
                 share.record(command[1])
+            elif command[0] == "speed":
+                share.speed_up(command[1])
             elif command[0] == "stop":
                 break
     finally:
@@ -340,6 +350,9 @@ class Share:
             open_objects(spec.store_url, dict(spec.storage_options)) for _ in range(S3_CLIENTS)
         ]
         self.agents: dict[int, Any] = {}
+        self.links: dict[int, Link] = {}
+        # What `speed_up` last asked: the links of agents started later get it too.
+        self.factor = 1.0
         self.tasks: dict[int, asyncio.Task[int]] = {}
         self._announced: set[int] = set()
         self._base_settings: Any = None
@@ -356,6 +369,16 @@ class Share:
             self._cpu += time.process_time() - self._cpu_from
             self._cpu_from = None
         self.recording = on
+
+    def speed_up(self, factor: float) -> None:
+        self.factor = factor
+        for index, agent in self.agents.items():
+            self._speed(index, agent)
+
+    def _speed(self, index: int, agent: Any) -> None:
+        self.links[index].factor = self.factor
+        if agent.peer_server is not None:
+            agent.peer_server.limiter.bytes_per_s = self.spec.agent_link_mbps * MB * self.factor
 
     async def start(self, indices: list[int]) -> None:
         """Start the agents at the spec's rate (this process's part of it), never waiting
@@ -398,6 +421,8 @@ class Share:
         if spec.lies(index):
             _serve_damaged(agent)
         self.agents[index] = agent
+        self.links[index] = link
+        self._speed(index, agent)
         self.tasks[index] = asyncio.create_task(agent.run(), name=f"agent-{index}")
 
     def _settings(self) -> Any:

@@ -47,7 +47,7 @@ def test_every_engine_of_the_swarm_commits_the_store_s_bytes_despite_a_lying_pee
     config = FleetConfig(
         engines=ENGINES, versions=2, model_kb=128, agent_link_mbps=0.5, store_egress_mbps=5.0,
         heartbeat_s=0.5, lease_s=10.0, threads=8, procs=2, peers=True, bad_peers=1,
-        controlplane_cpus=alone,
+        controlplane_cpus=alone, first_catchup_speedup=50.0,
     )  # fmt: skip
     result = measure(config, say=lambda _line: None)
 
@@ -61,7 +61,8 @@ def test_every_engine_of_the_swarm_commits_the_store_s_bytes_despite_a_lying_pee
     assert [r["version"] for r in rows] == [3, 4]
     for row in rows:
         assert row["t100_s"] is not None
-        # Nobody gets the version faster than their own link carries it.
+        # Nobody gets the version faster than their own link carries it (the links ran
+        # faster for the fleet's first catch-up only).
         assert row["t50_s"] >= row["version_bytes"] / (config.agent_link_mbps * MB)
         # The store served the version at least once, whoever passed it on.
         assert row["store_egress_bytes"] >= row["version_bytes"]
@@ -121,6 +122,17 @@ def test_a_link_queues_transfers_behind_each_other_at_its_rate() -> None:
     assert link.reserve(500, now=10.0) == pytest.approx(11.0)
     assert link.reserve(100, now=20.0) == pytest.approx(20.1)
     assert Link(None).reserve(10**9, now=3.0) == 3.0
+
+
+def test_a_link_sped_up_carries_that_many_times_its_rate_until_set_back() -> None:
+    link = Link(1000.0)
+    link.factor = 10.0
+    assert link.reserve(1000, now=10.0) == pytest.approx(10.1)
+    link.factor = 1.0
+    assert link.reserve(1000, now=10.0) == pytest.approx(11.1)
+    shared = SharedLink(1000.0, multiprocessing.get_context("spawn"))
+    shared.factor = 4.0
+    assert shared.reserve(1000, now=0.0) == pytest.approx(0.25)
 
 
 def test_the_fits_recover_a_linear_and_a_logarithmic_fleet() -> None:
