@@ -98,6 +98,9 @@ class HttpSource(FetchSource):
         headers = self._headers
         if offset:
             headers = {**headers, "Range": f"bytes={offset}-"}
+        # What a stall message says of where it stalled: None until the server answers.
+        partial: bool | None = None
+        received = 0
         try:
             with self._client.stream("GET", url, headers=headers, timeout=self._timeout) as reply:
                 if reply.status_code == 404:
@@ -114,7 +117,6 @@ class HttpSource(FetchSource):
                 if partial:
                     _patient_body(reply, self.forward_stall_s)
                 chunks = []
-                received = 0
                 for piece in reply.iter_bytes():  # as they arrive: they may be forwarded
                     chunk = piece[skip:]
                     skip -= len(piece) - len(chunk)
@@ -144,7 +146,12 @@ class HttpSource(FetchSource):
                     )
                 return b"".join(chunks)
         except httpx.TimeoutException as exc:
-            raise SourceFailed(f"{url} stalled ({type(exc).__name__})", "stall") from exc
+            where = (
+                "before answering"
+                if partial is None
+                else f"after {received} of {wanted} bytes{' of a forward' if partial else ''}"
+            )
+            raise SourceFailed(f"{url} stalled {where} ({type(exc).__name__})", "stall") from exc
         except httpx.HTTPError as exc:
             raise SourceFailed(f"{url} failed: {type(exc).__name__}: {exc}", "error") from exc
 

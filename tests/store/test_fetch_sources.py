@@ -238,6 +238,7 @@ def test_a_source_that_never_answers_is_dropped_as_stalled_and_the_store_serves(
     finally:
         silent.close()
     assert [f.reason for f in sourced.faults] == ["stall"]
+    assert "stalled before answering" in sourced.faults[0].message
     assert sourced.bytes_from["store"] > 0
 
 
@@ -277,6 +278,7 @@ def test_a_forward_may_pause_while_its_server_changes_source_a_file_on_disk_may_
             with pytest.raises(SourceFailed) as failed:
                 source.fetch("key", len(body))
             assert failed.value.reason == "stall"
+            assert "stalled after 50 of 100 bytes (ReadTimeout)" in str(failed.value)
 
 
 def test_a_fetch_closed_under_a_running_read_does_not_log_its_source_as_faulty(
