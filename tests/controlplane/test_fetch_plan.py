@@ -9,6 +9,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from controlplane.fetch_plan import Suspects, plan_fetch
 from controlplane.snapshot import EngineView, FleetSnapshot, RunView
 from store.checksum import tensor_checksum
@@ -71,8 +73,9 @@ def test_engines_catching_up_together_form_one_tree_per_lane_with_one_root_on_th
     assert plan.peers == plan.lanes[0] and len(plan.lanes) == 2
 
 
-def test_each_engine_uploads_in_about_one_lane_so_no_parent_is_shared_twice() -> None:
-    ids = [f"engine-{i:03d}" for i in range(200)]
+@pytest.mark.parametrize("n", [30, 200, 1000])
+def test_no_engine_uploads_in_two_lanes_however_the_circle_shares_them_out(n: int) -> None:
+    ids = [f"engine-{i:04d}" for i in range(n)]
     snap = snapshot([engine(e, 1) for e in ids], latest=2)
     fanout = 2
     interior: dict[str, int] = dict.fromkeys(ids, 0)
@@ -81,10 +84,12 @@ def test_each_engine_uploads_in_about_one_lane_so_no_parent_is_shared_twice() ->
         for parent in parents:
             interior[parent] += 1
     counts = list(interior.values())
-    # One tree would make every interior engine serve in both "lanes"; dealing the lanes
-    # round a circle makes nearly every engine interior in at most one.
-    assert sum(1 for c in counts if c >= 2) <= len(ids) // 20
-    assert sum(counts) >= len(ids) - 4  # about N/fanout interior engines per lane
+    # One tree would make every interior engine serve in both "lanes". Dealing the lanes
+    # round a circle left the one whose share of the circle came short by chance taking
+    # the rest of its interior from the next lane's first engines, its root among them:
+    # that root served twice the children and its whole lane ran at half rate.
+    assert max(counts) == 1
+    assert sum(counts) >= len(ids) - 2  # N/fanout interior engines per lane
 
 
 def test_parents_come_before_their_children_whoever_else_the_snapshot_holds() -> None:
