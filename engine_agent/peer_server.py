@@ -8,8 +8,7 @@ through: `store.partial_file`; chunked, marked `X-Tether-Peer-Partial: 1`, its l
 held back until the agent verified the file; a source of the agent's that fails mid-file is
 continued by its next one from the same offset, so the forward goes on; it ends short if
 the file fails its digest, or, as a safety net, delivers nothing for ten times
-`stall_s + max_wait_s` once bytes flow; before the first byte the
-caller's wait holds, as for a file not here yet). A file the agent will
+`stall_s + max_wait_s`, before the first byte or after it). A file the agent will
 fetch (its version lies between the applied version and its target) is waited for, at most
 as long as the caller allows (`X-Tether-Peer-Wait`) and the agent's own `peer_wait_s`;
 otherwise a missing file is 404 at once. Uploads are bounded: `upload_slots` under way at a
@@ -213,14 +212,13 @@ class PeerServer:
         except ValueError:
             asked = 0.0
         wait_s = max(0.0, min(asked, self.max_wait_s))
-        first_byte_by = time.monotonic() + wait_s
         held = await self._wait_for(key, version, wait_s)
         if held is None:
             return _error(404, "NotFound", f"this agent holds no verified copy of {key}")
         if self.uploading >= self.upload_slots:
             return _error(503, "PeerBusy", "every upload slot is taken; ask another source", 1)
         if isinstance(held, PartialFile):
-            return self._forward(held, request.headers.get("range"), first_byte_by)
+            return self._forward(held, request.headers.get("range"))
         path = held
         try:
             size = path.stat().st_size
@@ -233,28 +231,28 @@ class PeerServer:
             lambda start, end: self._stream(path, start, end),
         )
 
-    def _forward(self, partial: PartialFile, wanted: str | None, first_byte_by: float) -> Response:
+    def _forward(self, partial: PartialFile, wanted: str | None) -> Response:
         """Stream a file this agent is still receiving (no length: it may end short)."""
         return _ranged(
             wanted,
             partial.size,
             {PARTIAL_HEADER: "1"},
-            lambda start, end: self._stream_partial(partial, start, end, first_byte_by),
+            lambda start, end: self._stream_partial(partial, start, end),
         )
 
     async def _stream_partial(
-        self, partial: PartialFile, start: int, end: int, first_byte_by: float
+        self, partial: PartialFile, start: int, end: int
     ) -> AsyncIterator[bytes]:
-        """The bytes [start, end) of `partial` as they arrive. Until the first of them the
-        caller's wait holds (`first_byte_by`, what it asked in `WAIT_HEADER`, as for a file
-        not here yet: this agent's own source may be a peer still waiting for the file
-        itself, several hops from the store). After that, news may be as far apart as this
-        agent's own fetch lets its source's bytes be: a source may send nothing for
+        """The bytes [start, end) of `partial` as they arrive. The first of them may be
+        slow: this agent's own source may be a peer still waiting for the file itself,
+        several hops from the store. After that, news may be as far apart as this agent's
+        own fetch lets its source's bytes be: a source may send nothing for
         `stall_s` plus the wait it was granted before it counts as failed, and the next
         one continues the file from the same offset (`PartialFile`), perhaps after a wait
         of its own. So the forward ends when the file fails (the agent's fetch of it always
         settles it: verified, failed or abandoned), and only as a safety net after
-        `_OWNER_PATIENCE` times `stall_s + max_wait_s` without news. A child throws away
+        `_OWNER_PATIENCE` times `stall_s + max_wait_s` without news, before the first byte
+        as after it (longer than any caller's wait, at most `max_wait_s`). A child throws away
         what a forward that ended short gave it (it may be a lie that failed here), so a
         forward ended at the same 35 s as this agent's own source timed out made whole
         subtrees start over (4,311 in a 1,000-engine run on slow links). Ending
@@ -276,8 +274,6 @@ class PeerServer:
                     yield chunk
                     continue
                 patience = _OWNER_PATIENCE * (self.stall_s + self.max_wait_s)
-                if offset == start:
-                    patience = max(patience, first_byte_by - time.monotonic())
                 if not await partial.wait(offset, patience):
                     log.info("%s delivered nothing for %.1fs; ending its forward", partial.key,
                              patience)  # fmt: skip
