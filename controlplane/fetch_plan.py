@@ -2,9 +2,9 @@
 
 The control plane knows from heartbeats what every engine of a run applied and where the
 policy sends it. For a version V it orders the run's engines into one list: first those
-that already applied V or later (holders, by engine id), then those catching up to V or
-later (fetchers, by their place on a circle, below). In that list every engine's parent is
-the one at `(i - 1) // fanout`, so the engines form a `fanout`-ary tree whose root is the
+that already applied V or later (holders), then those catching up to V or later
+(fetchers, by their place on a circle, below). In that list every engine's parent is the
+one at `(i - 1) // fanout`, so the engines form a `fanout`-ary tree whose root is the
 first holder, or (when nobody holds V yet) the first fetcher, which reads the store. An
 engine's ancestors, nearest first, at most `plan_size` of them, are its plan; the store
 always comes after them.
@@ -20,6 +20,13 @@ shards from `fanout` parents at once, each at 1/fanout of a link. A fetcher's pl
 each lane's starting point do not depend on who else is in the snapshot, so a parent
 always comes before its child in its lane whenever either asked: no two engines ever wait
 on each other for a file, and the store serves each file about once per version.
+
+Holders are dealt out to the lanes too (by engine id, in turn), each heading one lane
+only. A holder at the top of every lane served `fanout` children in each, `fanout`² at
+once, so every lane below it ran at 1/fanout of a link and the holder's upload slots
+turned children away. A lane left without a holder (fewer holders than lanes) is rooted
+at its first fetcher, on the store: that costs the store at most (fanout − 1)/fanout of
+the version, once.
 
 Peers reported for bad bytes or stalls are left out of every plan for `suspect_s`
 (per process: each replica learns from the reports it receives). This module reads a fleet
@@ -96,9 +103,9 @@ def plan_fetch(
     for lane in range(fanout):
         start = bisect.bisect_left(fetchers, (lane / fanout, ""))
         end = bisect.bisect_left(fetchers, ((lane + 1) / fanout, ""))
-        order = _LaneOrder(holders, fetchers, start, end)
+        order = _LaneOrder(holders[lane::fanout], fetchers, start, end)
         peers: list[PeerSource] = []
-        index = len(holders) + order.place(mine)
+        index = len(order.holders) + order.place(mine)
         while index > 0 and len(peers) < plan_size:
             index = (index - 1) // fanout
             parent = orders.by_id[order[index]]
@@ -132,7 +139,7 @@ class _Orders:
 
 @dataclass(frozen=True)
 class _LaneOrder:
-    """Lane order without building it: the holders, then the lane's own fetchers (those
+    """Lane order without building it: the lane's holders, then its own fetchers (those
     placed from its starting point to the next lane's, `start` to `end` in `fetchers`) in
     circle order, then every other fetcher backwards round the circle from `start`.
 

@@ -92,6 +92,31 @@ def test_no_engine_uploads_in_two_lanes_however_the_circle_shares_them_out(n: in
     assert sum(counts) >= len(ids) - 2  # N/fanout interior engines per lane
 
 
+@pytest.mark.parametrize(("holders", "fanout"), [(1, 2), (1, 3), (2, 3), (5, 2), (40, 3)])
+def test_engines_holding_the_version_upload_in_one_lane_each(holders: int, fanout: int) -> None:
+    # A fleet starting together behind the few engines that already hold the version
+    # (a cold start, a restarted fleet): a holder at the top of every lane served
+    # `fanout` children in each, and every lane below it ran at 1/fanout of a link.
+    held = [f"holder-{i:02d}" for i in range(holders)]
+    fetching = [f"engine-{i:04d}" for i in range(200)]
+    snap = snapshot([engine(e, 2) for e in held] + [engine(e, 1) for e in fetching], latest=2)
+    lanes_of: dict[str, set[int]] = {}
+    for lane in range(fanout):
+        found = plans(snap, 2, fanout, lane=lane)
+        for peers in found.values():
+            if peers:
+                lanes_of.setdefault(peers[0], set()).add(lane)
+        roots = [e for e, peers in found.items() if not peers]
+        lane_holders = {p[-1] for p in found.values() if p and p[-1] in held}
+        if lane < holders:  # the lane's holders head it; no fetcher reads the store
+            assert roots == [] and lane_holders
+        else:  # a lane with no holder of its own has one root, on the store
+            assert len(roots) == 1 and not lane_holders
+    assert all(len(lanes_of.get(h, ())) <= 1 for h in held)  # a holder serves one lane
+    if fanout == 2:  # ... as every fetcher does (at 3 or more lanes, nearly every one)
+        assert max(len(lanes) for lanes in lanes_of.values()) == 1
+
+
 def test_parents_come_before_their_children_whoever_else_the_snapshot_holds() -> None:
     # Two control-plane replicas (or two moments) see different engines heading to V: the
     # union of the parent edges they hand out has no cycle in any lane, so no two engines
