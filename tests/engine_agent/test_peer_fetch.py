@@ -151,6 +151,15 @@ def metric(url: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
+def version_on_a_and_b(fleet: PeerFleet) -> int:
+    """The newest version, applied by A and B. A test run alone (or first) finds only the
+    boot version v0, which nobody fetches: it publishes a delta of its own then."""
+    version = fleet.chain.latest or fleet.publish()
+    for name in "ab":
+        wait_applied(fleet.agents[name], version, CATCH_UP_S)
+    return version
+
+
 def test_engines_catching_up_together_read_each_file_from_the_store_once(
     fleet: PeerFleet,
 ) -> None:
@@ -173,7 +182,7 @@ def test_engines_catching_up_together_read_each_file_from_the_store_once(
 def test_a_late_engine_catches_up_from_peers_while_the_store_cannot_serve_the_bytes(
     fleet: PeerFleet,
 ) -> None:
-    target = fleet.chain.latest
+    target = version_on_a_and_b(fleet)
     store_root = fleet.chain.store_root
     # The store's shards turn to garbage of the same size (the index stays: it is how the
     # catch-up is planned): a catch-up that read them would fail its checksums.
@@ -315,7 +324,7 @@ def test_a_stalled_peer_is_dropped_within_its_deadline_and_the_store_serves(
 
 
 def test_peer_files_need_an_engine_token_and_never_include_the_claim(fleet: PeerFleet) -> None:
-    version = fleet.chain.latest
+    version = version_on_a_and_b(fleet)
     agent_url = fleet.agents["a"].url or ""
     key = version_file_key(VersionRef(RUN, version), "model.safetensors.index.json")
 
@@ -342,7 +351,7 @@ def test_peer_files_need_an_engine_token_and_never_include_the_claim(fleet: Peer
 def test_with_peer_fetch_off_an_agent_reads_the_store_as_before_and_serves_nothing(
     fleet: PeerFleet,
 ) -> None:
-    version = fleet.chain.latest
+    version = version_on_a_and_b(fleet)
     agent = fleet.start_late_agent("--no-peer-fetch")
     wait_applied(agent, version, CATCH_UP_S)
     assert pass_for(agent, version)["bytes_from"] == {}
