@@ -16,11 +16,10 @@ import random
 import signal
 import time
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from types import FrameType
-from typing import Any
+from typing import Any, TypeVar
 
 from rich.console import Console
 
@@ -39,6 +38,9 @@ from launcher.processes import ProcessGroup
 log = logging.getLogger(__name__)
 
 CONVERGE_DEADLINE_S = 60.0
+# How long the training loop has to unwind after Ctrl-C before the processes are stopped.
+UNWIND_GRACE_S = 10.0
+T = TypeVar("T")
 
 
 class PauseCounter:
@@ -140,28 +142,55 @@ async def sample_batch(
     return batch
 
 
-@contextlib.contextmanager
-def interrupt_at_once() -> Iterator[None]:
-    """Ctrl-C raises `KeyboardInterrupt` where it lands while the training loop runs.
+def run_interruptibly(main: Coroutine[Any, Any, T], grace_s: float = UNWIND_GRACE_S) -> T:
+    """Run `main` on a fresh event loop; Ctrl-C (or SIGTERM) ends it within `grace_s`.
 
-    Left alone, `asyncio.run` turns the first Ctrl-C into a cancellation of its main task,
-    and a cancellation that reaches an inner await which completes anyway is lost: a fresh
-    clone's test saw the demo train on for a minute after SIGINT. A handler of our own
-    (asyncio only installs its handler over the default one) keeps Ctrl-C final.
+    The signal cancels `main` from inside the loop, so it never lands in the middle of
+    a lock, a protocol callback or a worker's hand-off, and raises `KeyboardInterrupt`
+    once `main` has unwound. Two things kept `asyncio.run` from ending promptly: a
+    cancellation that reaches an inner await which completes anyway is lost (a fresh
+    clone's test saw the demo train on for a minute after SIGINT), and on its way out it
+    waits without a limit for every task and every worker thread (a CI run once saw the
+    demo print nothing for a minute after SIGINT, with no trace of where it waited). Here the loop stops `grace_s` after the signal whatever
+    `main` does, tasks still running are given `grace_s` once more, and worker threads
+    are not waited for: the caller stops the processes they talk to next.
     """
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(main)
+    backstop: list[asyncio.TimerHandle] = []
 
-    def stop(_signum: int, _frame: FrameType | None) -> None:
-        raise KeyboardInterrupt
+    def interrupt() -> None:
+        if not backstop:
+            task.cancel()
+            backstop.append(loop.call_later(grace_s, loop.stop))  # if the cancel is lost
 
+    signals = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.getsignal(sig) for sig in signals}
+    installed = []
+    for sig in signals:
+        with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
+            loop.add_signal_handler(sig, interrupt)  # main thread only
+            installed.append(sig)
     try:
-        previous = signal.signal(signal.SIGINT, stop)
-    except ValueError:  # not the main thread: nothing to install
-        yield
-        return
-    try:
-        yield
+        return loop.run_until_complete(task)
+    except (asyncio.CancelledError, RuntimeError):
+        if backstop:  # cancelled, or stopped with `main` still running
+            raise KeyboardInterrupt from None
+        raise
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for handle in backstop:
+            handle.cancel()
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, previous[sig])  # type: ignore[arg-type]
+        left = [t for t in asyncio.all_tasks(loop) if not t.done()]
+        for t in left:
+            t.cancel()
+        if left:
+            loop.run_until_complete(asyncio.wait(left, timeout=grace_s))
+        with contextlib.suppress(RuntimeError, TimeoutError):
+            loop.run_until_complete(asyncio.wait_for(loop.shutdown_asyncgens(), grace_s))
+        loop.close()  # shuts the worker threads down without waiting for them
 
 
 async def train(
@@ -316,8 +345,9 @@ def run_demo(settings: DemoSettings, console: Console) -> dict[str, Any]:
             f"{settings.group_size} samples, max_lag {settings.max_lag}, MIS-corrected GRPO"
         )
         try:
-            with interrupt_at_once():
-                asyncio.run(train(settings, cp, fleet, publisher, learner, run_id, console, totals))
+            run_interruptibly(
+                train(settings, cp, fleet, publisher, learner, run_id, console, totals)
+            )
             converged = wait_converged(cp, run_id, publisher.version or 0, settings.engines)
         finally:
             publisher.close()

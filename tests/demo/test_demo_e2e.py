@@ -87,7 +87,7 @@ def test_an_interrupted_demo_stops_every_process_it_started(tmp_path: Path) -> N
         [TETHER, "demo", "--steps", "100000", "--prompts", "2", "--group-size", "2",
          "--workdir", str(workdir), "--run", "interrupted"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"},
     )  # fmt: skip
     try:
         assert demo.stdout is not None
@@ -98,7 +98,11 @@ def test_an_interrupted_demo_stops_every_process_it_started(tmp_path: Path) -> N
             assert time.monotonic() < end, "the demo never reached its first step"
         assert len(processes_under(workdir)) >= 7  # control plane, 3 engines, 3 agents
         demo.send_signal(signal.SIGINT)
-        rest = demo.communicate(timeout=60)[0]
+        try:
+            rest = demo.communicate(timeout=60)[0]
+        except subprocess.TimeoutExpired:
+            demo.send_signal(signal.SIGABRT)  # the fault handler prints every thread's stack
+            pytest.fail("the demo still ran 60 s after SIGINT:\n" + demo.communicate()[0][-6000:])
     finally:
         if demo.poll() is None:
             demo.kill()
