@@ -10,10 +10,12 @@ fleet's state. Every child process is stopped on the way out, whatever happens.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import random
 import signal
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Coroutine, Sequence
@@ -145,17 +147,20 @@ async def sample_batch(
 def run_interruptibly(main: Coroutine[Any, Any, T], grace_s: float = UNWIND_GRACE_S) -> T:
     """Run `main` on a fresh event loop; Ctrl-C (or SIGTERM) ends it within `grace_s`.
 
-    The signal cancels `main` from inside the loop, so it never lands in the middle of
-    a lock, a protocol callback or a worker's hand-off, and raises `KeyboardInterrupt`
-    once `main` has unwound. Two things kept `asyncio.run` from ending promptly: a
-    cancellation that reaches an inner await which completes anyway is lost (a fresh
-    clone's test saw the demo train on for a minute after SIGINT), and on its way out it
-    waits without a limit for every task and every worker thread (a CI run once saw the
-    demo print nothing for a minute after SIGINT, with no trace of where it waited). Here the loop stops `grace_s` after the signal whatever
-    `main` does, tasks still running are given `grace_s` once more, and worker threads
-    are not waited for: the caller stops the processes they talk to next.
+    The signal cancels `main` from inside the loop, so it never lands in the middle of a
+    lock, a protocol callback or a worker's hand-off, and raises `KeyboardInterrupt` once
+    `main` has unwound. Two things kept `asyncio.run` from ending promptly: a cancellation
+    that reaches an inner await which completes anyway is lost (a fresh clone's test saw
+    the demo train on for a minute after SIGINT), and on its way out it waits without a
+    limit for every task and every worker thread (a CI run once saw the demo print nothing
+    for a minute after SIGINT, with no trace of where it waited). Here the loop stops
+    `grace_s` after the signal whatever `main` does, tasks still running get `grace_s`
+    once more, and worker threads are waited for `grace_s` at most: the caller stops the
+    processes they talk to next.
     """
     loop = asyncio.new_event_loop()
+    workers = concurrent.futures.ThreadPoolExecutor(thread_name_prefix="demo-worker")
+    loop.set_default_executor(workers)
     task = loop.create_task(main)
     backstop: list[asyncio.TimerHandle] = []
 
@@ -190,7 +195,12 @@ def run_interruptibly(main: Coroutine[Any, Any, T], grace_s: float = UNWIND_GRAC
             loop.run_until_complete(asyncio.wait(left, timeout=grace_s))
         with contextlib.suppress(RuntimeError, TimeoutError):
             loop.run_until_complete(asyncio.wait_for(loop.shutdown_asyncgens(), grace_s))
-        loop.close()  # shuts the worker threads down without waiting for them
+        # A worker still publishing must finish before the caller closes the publisher
+        # (both would deliver its notifications), but a stuck one is not waited for.
+        joiner = threading.Thread(target=workers.shutdown, daemon=True)
+        joiner.start()
+        joiner.join(grace_s)
+        loop.close()
 
 
 async def train(

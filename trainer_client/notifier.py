@@ -10,6 +10,7 @@ never touches the store and never raises from `flush`.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
@@ -61,10 +62,14 @@ class VersionNotifier:
         self.last_error: str | None = None
         # Whether the last failure may pass by itself (unreachable, 5xx, 429), unlike a 4xx.
         self.transient = False
+        # `flush` from two threads (a publish still running while the trainer closes)
+        # would send a version twice and pop it twice.
+        self._lock = threading.Lock()
 
     def notify(self, version: int, kind: VersionKind) -> bool:
         """Queue `version` and try to deliver everything queued; True if nothing is left."""
-        self.pending.append(PendingVersion(version, kind))
+        with self._lock:
+            self.pending.append(PendingVersion(version, kind))
         return self.flush()
 
     def flush(self) -> bool:
@@ -75,6 +80,10 @@ class VersionNotifier:
         run) is logged as an error with the control plane's message, and `last_error` keeps
         it. Never raises: a publish that moved the pointer has succeeded either way.
         """
+        with self._lock:
+            return self._flush()
+
+    def _flush(self) -> bool:
         while self.pending:
             item = self.pending[0]
             path = f"/v1/runs/{self.run_id}/versions"
