@@ -63,3 +63,9 @@ from bench import sessions as _sessions_bench  # noqa: E402
 app.command(
     name="sessions", help="Multi-turn sessions: prefix-cache hit rate sticky vs affinity vs random."
 )(_sessions_bench.run)
+
+from bench import plan_layout as _plan_layout_bench  # noqa: E402
+
+app.command(
+    name="plan-layout", help="Fetch-plan trees: children per parent, store roots, two-lane peers."
+)(_plan_layout_bench.run)

@@ -14,14 +14,20 @@ receives at 1/fanout of a link. So there are `fanout` trees (lanes) over the sam
 and a version's shards are dealt out to them in turn: each fetcher has a fixed place on a
 circle (a hash of its id), and lane k orders first its own fetchers (those placed from
 k/fanout to (k+1)/fanout of the way round), then the others backwards round the circle
-(see `_LaneOrder`). The first 1/fanout of a lane's order are its interior nodes, so each
+(see `_Lane`). The first 1/fanout of a lane's order are its interior nodes, so each
 fetcher is interior in one lane: it uploads about what it downloads, and receives its
 shards from `fanout` parents at once, each at 1/fanout of a link. A fetcher's place and
 each lane's starting point do not depend on who else is in the snapshot, so a parent
 always comes before its child in its lane whenever either asked: no two engines ever wait
 on each other for a file, and the store serves each file about once per version.
 
-Holders are dealt out to the lanes too (by engine id, in turn), each heading one lane
+That layout suits the engines that were there when V was published, which ask together.
+Engines that register later (a fleet starting from nothing, or growing) ask one at a
+time, each from a snapshot that lists only those before it; they are dealt to the lanes
+in turn by the order they registered in and take the next free places of the trees
+(`_Lane`), so a cold start forms the same balanced trees as a fleet that waited.
+
+Holders are dealt out to the lanes too (by registration, in turn), each heading one lane
 only. A holder at the top of every lane served `fanout` children in each, `fanout`² at
 once, so every lane below it ran at 1/fanout of a link and the holder's upload slots
 turned children away. A lane left without a holder (fewer holders than lanes) is rooted
@@ -39,9 +45,10 @@ import bisect
 import functools
 import hashlib
 import logging
+import math
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from controlplane.snapshot import EngineView, FleetSnapshot
 from wire import SyncState
@@ -92,32 +99,32 @@ def plan_fetch(
     if plan_size <= 0 or fanout <= 0:
         return FetchPlan(version=version)
     orders = _orders(snapshot, run_id, version, frozenset(suspects))
-    # The requester is a fetcher whatever the snapshot says of it yet.
-    holders = [h for h in orders.holders if h != engine_id]
-    fetchers = orders.fetchers
-    me = (_point(engine_id), engine_id)
-    mine = bisect.bisect_left(fetchers, me)
-    if mine == len(fetchers) or fetchers[mine] != me:
-        fetchers = [*fetchers[:mine], me, *fetchers[mine:]]
-    lanes = []
-    for lane in range(fanout):
-        start = bisect.bisect_left(fetchers, (lane / fanout, ""))
-        end = bisect.bisect_left(fetchers, ((lane + 1) / fanout, ""))
-        order = _LaneOrder(holders[lane::fanout], fetchers, start, end)
-        peers: list[PeerSource] = []
-        index = len(order.holders) + order.place(mine)
-        while index > 0 and len(peers) < plan_size:
-            index = (index - 1) // fanout
-            parent = orders.by_id[order[index]]
-            peers.append(
+    published = _published_at(snapshot, run_id, version)
+    if engine_id in orders.fetcher_ids:
+        lanes = orders.lanes(fanout, published)
+    else:
+        # The requester is a fetcher whatever the snapshot says of it yet (one that does
+        # not list it yet: it registered just now).
+        view = snapshot.engines.get(engine_id)
+        registered = view.registered_at if view is not None else math.inf
+        lanes = _lanes(
+            [h for h in orders.holders if h[1] != engine_id],
+            [*orders.fetchers, (_point(engine_id), engine_id, registered)],
+            fanout,
+            published,
+        )
+    peers = []
+    for lane in lanes:
+        peers.append(
+            [
                 PeerSource(
-                    engine_id=parent.engine_id,
-                    url=parent.url,
-                    applied_version=parent.applied_version,
+                    engine_id=parent, url=orders.by_id[parent].url,
+                    applied_version=orders.by_id[parent].applied_version,
                 )
-            )
-        lanes.append(peers)
-    return FetchPlan(version=version, peers=lanes[0], lanes=lanes)
+                for parent in lane.parents(engine_id, fanout, plan_size)
+            ]
+        )  # fmt: skip
+    return FetchPlan(version=version, peers=peers[0], lanes=peers)
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -127,51 +134,167 @@ def _point(engine_id: str) -> float:
     return int.from_bytes(digest, "big") / 2**64
 
 
+# When each (run, version) was published, as the snapshots showed it while it was the
+# newest: engines registered after it are placed by registration (`_Lane`). A version
+# this process never saw as the newest has no time here, and every engine is placed by
+# its place on the circle.
+_PUBLISHED: dict[tuple[str, int], float] = {}
+_PUBLISHED_KEPT = 4096
+
+
+def _published_at(snapshot: FleetSnapshot, run_id: str, version: int) -> float:
+    run = snapshot.runs.get(run_id)
+    key = (run_id, version)
+    if (
+        run is not None
+        and run.latest_version == version
+        and run.latest_published_at is not None
+        and key not in _PUBLISHED
+    ):
+        if len(_PUBLISHED) >= _PUBLISHED_KEPT:
+            _PUBLISHED.pop(next(iter(_PUBLISHED)))
+        _PUBLISHED[key] = run.latest_published_at
+    return _PUBLISHED.get(key, math.inf)
+
+
+_TREE, _OTHERS, _LATE = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class _Lane:
+    """One lane's tree. In heap order (the parent of place i is place (i - 1) // fanout):
+    `tree`, the lane's holders, then its own early fetchers (registered before the
+    version was published, placed in the lane's share of the circle) by place, then its
+    own late fetchers (registered after it) by registration, from `late_own_at`; then
+    `others`, the other early fetchers, backwards round the circle from the lane's start.
+    `late`, the other late fetchers by registration, are leaves only: the c-th hangs under
+    the c // (fanout - 1)-th late own fetcher, or the last of `tree` while that one has
+    not come yet. A late fetcher's own lane is its rank among the late engines (fetchers
+    and holders, by registration) modulo `fanout` (`_lanes`).
+
+    Why two orders. Early fetchers ask for their plans together, from snapshots that list
+    them all: laid out by place, each lane's share is its interior and the rest its
+    leaves, and every parent has `fanout` children. Late ones (a fleet that starts, or
+    grows) ask one at a time, each seeing only those registered before it, and keep their
+    parents for their whole pass. Laid out by place, a newcomer landed anywhere in its
+    lane, near the top as often as not, and the first parents were named by about
+    fanout · ln n children (10 to 15 at 200 to 1,000 engines, simulated) while the lanes
+    below them ran at a fraction of a link. By place for the lane and by registration
+    within it, a streak of newcomers placed in one lane (8 in a row among 200) all hung
+    under the same parent. By rank, lanes take newcomers in turn: each takes the next
+    free place of its own tree and hangs under the one that came just before it in each
+    other lane, so no parent is named by more than `fanout` + `fanout` - 1 children (3
+    at 2 lanes, simulated from 6 to 1,000 engines, with or without holders and engines
+    finishing while others arrive).
+
+    Backwards round the circle: a lane short of its share of the circle (the shares differ
+    by about √n engines by chance) takes the rest of its interior from the start of
+    `others`: forwards, that was the next lane's first engines, its root among them (a
+    whole lane at half rate: 2.06× one engine's catch-up at 1,000 engines); backwards,
+    the previous lane's last ones.
+
+    Every parent comes before its child whatever the snapshot: holders hold the version,
+    an early fetcher's parents are holders or early fetchers placed before it, a late
+    own fetcher's parents registered before it, and late others are never parents. The
+    orders depend on places, registration times and the publication time only, which
+    every replica reads alike (a replica that never saw the version as the newest lays
+    every fetcher out by place)."""
+
+    tree: list[str]
+    others: list[str]
+    late: list[str]
+    late_own_at: int
+    _where: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    def parents(self, engine_id: str, fanout: int, plan_size: int) -> list[str]:
+        """`engine_id`'s ancestors in this lane, nearest first, at most `plan_size`."""
+        if not self._where:
+            for group, members in enumerate((self.tree, self.others, self.late)):
+                self._where.update((e, (group, rank)) for rank, e in enumerate(members))
+        group, rank = self._where[engine_id]
+        chain: list[int] = []
+        index = rank + (len(self.tree) if group == _OTHERS else 0)
+        if group == _LATE:
+            if self.tree:
+                index = min(self.late_own_at + rank // max(1, fanout - 1), len(self.tree) - 1)
+                chain.append(index)
+            else:  # no holder and no own fetcher: the others, then the late ones, in turn
+                index = len(self.others) + rank
+        while index > 0 and len(chain) < plan_size:
+            index = (index - 1) // fanout
+            chain.append(index)
+        return [self._at(i) for i in chain[:plan_size]]
+
+    def _at(self, index: int) -> str:
+        """The engine at `index` of the heap: `tree`, then `others`, then `late`."""
+        for members in (self.tree, self.others):
+            if index < len(members):
+                return members[index]
+            index -= len(members)
+        return self.late[index]
+
+
+def _lanes(
+    holders: list[tuple[float, str]],
+    fetchers: list[tuple[float, str, float]],
+    fanout: int,
+    published: float,
+) -> list[_Lane]:
+    """Each lane's tree over `holders` (registration time, id) and `fetchers` (place, id,
+    registration time).
+
+    Engines registered after the publication are ranked by registration, holders among
+    them (those that finished keep their rank), and belong to lane rank % fanout: a late
+    holder heads the lane it led as a fetcher, so it never gains children in a second
+    lane while its first lane's children still read from it. Earlier holders are dealt
+    out to the lanes in turn, by registration."""
+    early = sorted((place, e) for place, e, registered in fetchers if registered <= published)
+    ranked = sorted(
+        [(r, e, True) for _, e, r in fetchers if r > published]
+        + [(r, h, False) for r, h in holders if r > published]
+    )
+    late = [(rank % fanout, e, fetching) for rank, (_, e, fetching) in enumerate(ranked)]
+    first = [h for r, h in sorted(holders) if r <= published]
+    lanes = []
+    for lane in range(fanout):
+        low, high = lane / fanout, (lane + 1) / fanout
+        start = bisect.bisect_left(early, (low, ""))
+        end = bisect.bisect_left(early, (high, ""))
+        others = [early[(start - 1 - j) % len(early)][1] for j in range(len(early) - (end - start))]
+        tree = [
+            *first[lane::fanout],
+            *(e for own, e, fetching in late if own == lane and not fetching),
+            *(e for _, e in early[start:end]),
+        ]
+        lanes.append(
+            _Lane(
+                tree=[*tree, *(e for own, e, fetching in late if own == lane and fetching)],
+                others=others,
+                late=[e for own, e, fetching in late if own != lane and fetching],
+                late_own_at=len(tree),
+            )
+        )
+    return lanes
+
+
 @dataclass(frozen=True)
 class _Orders:
-    """A run's engines that can serve version V, as one snapshot shows them: `holders` (by
-    id), `fetchers` (by place on the circle, as (place, id)) and each by id."""
+    """A run's engines that can serve version V, as one snapshot shows them: `holders`
+    (registration time, id), `fetchers` (place on the circle, id, registration time) and
+    each by id; the lanes over them are built once per fanout and publication time."""
 
-    holders: list[str]
-    fetchers: list[tuple[float, str]]
+    holders: list[tuple[float, str]]
+    fetchers: list[tuple[float, str, float]]
     by_id: dict[str, EngineView]
+    fetcher_ids: frozenset[str]
+    _lanes: dict[tuple[int, float], list[_Lane]] = field(default_factory=dict)
 
-
-@dataclass(frozen=True)
-class _LaneOrder:
-    """Lane order without building it: the lane's holders, then its own fetchers (those
-    placed from its starting point to the next lane's, `start` to `end` in `fetchers`) in
-    circle order, then every other fetcher backwards round the circle from `start`.
-
-    Backwards: the tree's interior is the first 1/fanout of the order, and the lanes' own
-    shares of the circle differ by chance (about √n engines). A lane short of its share
-    takes the rest of its interior from where the other fetchers come after it: forwards,
-    that was the next lane's own first engines, its root among them, and that root then
-    shared its upload with twice the children and halved everything below it (a whole
-    lane at half rate: 2.06× one engine's catch-up at 1,000 engines, 2.3× at 30).
-    Backwards, they are the previous lane's last engines, which are its leaves when it has
-    more than its share. Whatever the snapshot, two fetchers keep their order in a lane
-    (it depends on their places only)."""
-
-    holders: list[str]
-    fetchers: list[tuple[float, str]]
-    start: int
-    end: int
-
-    def __getitem__(self, index: int) -> str:
-        if index < len(self.holders):
-            return self.holders[index]
-        at = index - len(self.holders)
-        own = self.end - self.start
-        if at < own:
-            return self.fetchers[self.start + at][1]
-        return self.fetchers[(self.start - 1 - (at - own)) % len(self.fetchers)][1]
-
-    def place(self, mine: int) -> int:
-        """Where the fetcher at `mine` in `fetchers` comes in this lane's fetchers."""
-        if self.start <= mine < self.end:
-            return mine - self.start
-        return self.end - self.start + (self.start - 1 - mine) % len(self.fetchers)
+    def lanes(self, fanout: int, published: float) -> list[_Lane]:
+        key = (fanout, published)
+        found = self._lanes.get(key)
+        if found is None:
+            found = self._lanes[key] = _lanes(self.holders, self.fetchers, fanout, published)
+        return found
 
 
 # The orders of the last few (snapshot, run, version, suspects) asked about: at scale many
@@ -207,9 +330,12 @@ def _orders(
         if heading is not None and heading >= version:
             fetchers.append(engine)
     orders = _Orders(
-        holders=sorted(e.engine_id for e in holders),
-        fetchers=sorted((_point(e.engine_id), e.engine_id) for e in fetchers),
+        # By registration: those that were there first keep the top of the lanes while
+        # engines that came later finish and join them.
+        holders=sorted((e.registered_at, e.engine_id) for e in holders),
+        fetchers=[(_point(e.engine_id), e.engine_id, e.registered_at) for e in fetchers],
         by_id={e.engine_id: e for e in [*holders, *fetchers]},
+        fetcher_ids=frozenset(e.engine_id for e in fetchers),
     )
     if len(_ORDERS) >= _ORDERS_KEPT:
         _ORDERS.pop(next(iter(_ORDERS)))

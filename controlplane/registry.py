@@ -356,6 +356,7 @@ class Registry:
                     EngineRow.labels,
                     EngineRow.last_error,
                     EngineRow.engine_kind,
+                    EngineRow.registered_at,
                 ).where(EngineRow.lease_expires_at > now, written)
             ).all()
         return [
@@ -376,6 +377,7 @@ class Registry:
                 labels=r[13] or {},
                 last_error=r[14],
                 engine_kind=r[15],
+                registered_at=r[16],
             )
             for r in rows
         ]

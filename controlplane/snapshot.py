@@ -40,6 +40,9 @@ class EngineView:
     labels: Mapping[str, str] = field(default_factory=dict, hash=False, compare=False)
     last_error: str | None = None
     engine_kind: str = "sglang"
+    # When the engine first registered from its URL (kept while it registers again from
+    # it): fetch plans place engines that came after a version's publication by it.
+    registered_at: float = 0.0
 
     @property
     def serving(self) -> bool:

@@ -187,7 +187,7 @@ def run_interruptibly(main: Coroutine[Any, Any, T], grace_s: float = UNWIND_GRAC
             handle.cancel()
         for sig in installed:
             loop.remove_signal_handler(sig)
-            signal.signal(sig, previous[sig])  # type: ignore[arg-type]
+            signal.signal(sig, previous[sig])
         left = [t for t in asyncio.all_tasks(loop) if not t.done()]
         for t in left:
             t.cancel()

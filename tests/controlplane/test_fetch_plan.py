@@ -6,7 +6,9 @@ from __future__ import annotations
 import itertools
 import json
 import time
+import uuid
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -162,6 +164,97 @@ def test_engines_out_of_service_or_reported_are_never_named() -> None:
 def test_a_plan_size_of_zero_turns_peer_fetch_off() -> None:
     snap = snapshot([engine("a", 2), engine("b", 1)], latest=2)
     assert plan_fetch(snap, "b", RUN, 2, fanout=2, plan_size=0).peers == []
+
+
+def growing_fleet(
+    run: str, n: int, *, holders: int = 0, finish_after: int | None = None, fanout: int = 2
+) -> dict[str, list[list[str]]]:
+    """Engines registering one at a time after v2 was published, each asking for its plan
+    from a snapshot of those before it and keeping it (an agent keeps its parents for its
+    whole pass); with `finish_after`, each applies v2 that many registrations later.
+    Every engine's plan, per lane."""
+    published = time.time()
+    fleet = {
+        f"holder-{i}": view(f"holder-{i}", 2, run_id=run, lease_expires_at=published + 600)
+        for i in range(holders)
+    }
+    kept: dict[str, list[list[str]]] = {}
+    for k in range(n):
+        me = f"engine-{k:04d}"
+        registered = dict(
+            run_id=run, lease_expires_at=published + 600, registered_at=published + 1 + k
+        )
+        fleet[me] = view(me, 1, **registered)
+        if finish_after is not None and k >= finish_after:
+            done = f"engine-{k - finish_after:04d}"
+            fleet[done] = replace(fleet[done], applied_version=2)
+        snap = FleetSnapshot.build(
+            time.time(), fleet.values(), [RunView(run, 2, published, TargetPolicy())], {}
+        )
+        plan = plan_fetch(snap, me, run, 2, fanout=fanout, plan_size=3)
+        kept[me] = [[p.engine_id for p in lane] for lane in plan.lanes]
+    return kept
+
+
+@pytest.mark.parametrize(
+    ("n", "holders", "finish_after"),
+    [(30, 0, None), (300, 0, None), (300, 2, None), (300, 0, 20), (300, 1, 20)],
+)
+def test_engines_arriving_one_at_a_time_form_balanced_trees_as_a_fleet_that_waited(
+    n: int, holders: int, finish_after: int | None
+) -> None:
+    # A cold start: engines register one by one after the version was published. Laid out
+    # by place on the circle, each newcomer landed anywhere in its lane and the first
+    # parents were named by 10 or more children (every lane below them at a fraction of
+    # a link); a streak of newcomers placed in one lane all hung under one parent.
+    run = f"growing-{n}-{holders}-{finish_after}"
+    kept = growing_fleet(run, n, holders=holders, finish_after=finish_after)
+    fanout = 2
+    lanes_of: dict[str, set[int]] = {}
+    for lane in range(fanout):
+        children: dict[str, int] = {}
+        edges: dict[str, set[str]] = {}
+        for me, plan in kept.items():
+            if plan[lane]:
+                children[plan[lane][0]] = children.get(plan[lane][0], 0) + 1
+                lanes_of.setdefault(plan[lane][0], set()).add(lane)
+                edges[me] = {plan[lane][0]}
+        # `fanout` children in the parent's own tree, `fanout - 1` from the other lanes
+        assert max(children.values()) <= 2 * fanout - 1
+        roots = [me for me, plan in kept.items() if not plan[lane]]
+        assert len(roots) <= (0 if holders > lane else 2)  # the store serves a file twice at most
+        # Plans asked at different moments still point only at engines that came first.
+        assert all(acyclic(edges, e, frozenset(), set()) for e in edges)
+    fetchers = [e for e, lanes in lanes_of.items() if not e.startswith("holder")]
+    assert all(len(lanes_of[e]) == 1 for e in fetchers)  # each uploads in one lane only
+
+
+def test_a_replica_that_never_saw_the_version_as_the_newest_lays_everyone_out_by_place() -> None:
+    # The publication time is learnt from snapshots while the version is the newest; a
+    # replica that started later cannot tell late engines from early ones and places them
+    # all by their place on the circle, as for a fleet that waited.
+    published = time.time()
+    run_id = f"unseen-{uuid.uuid4().hex}"  # the publication times are kept per process
+    late = [
+        view(f"engine-{k:02d}", 1, run_id=run_id, lease_expires_at=published + 600,
+             registered_at=published + 1 + k)
+        for k in range(30)
+    ]  # fmt: skip
+    early = [replace(e, registered_at=0.0) for e in late]
+
+    def layout(engines: list[EngineView], latest: int) -> dict[str, list[list[str]]]:
+        run = RunView(run_id, latest, published, TargetPolicy())
+        snap = FleetSnapshot.build(time.time(), engines, [run], {})
+        return {
+            e.engine_id: [
+                [p.engine_id for p in lane]
+                for lane in plan_fetch(snap, e.engine_id, run_id, 2, fanout=2, plan_size=3).lanes
+            ]
+            for e in engines
+        }
+
+    assert layout(late, latest=3) == layout(early, latest=3)
+    assert layout(late, latest=3) != layout(late, latest=2)  # ... unlike one that saw it
 
 
 def write_claim(store_root: Path, run_id: str, version: int) -> tuple[str, str]:
