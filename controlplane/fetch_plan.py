@@ -50,7 +50,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from controlplane.snapshot import EngineView, FleetSnapshot
+from controlplane.snapshot import EngineView, FleetSnapshot, published_at
 from wire import SyncState
 from wire.peers import FetchPlan, PeerReport, PeerSource
 
@@ -99,7 +99,7 @@ def plan_fetch(
     if plan_size <= 0 or fanout <= 0:
         return FetchPlan(version=version)
     orders = _orders(snapshot, run_id, version, frozenset(suspects))
-    published = _published_at(snapshot, run_id, version)
+    published = _published_at(run_id, version)
     if engine_id in orders.fetcher_ids:
         lanes = orders.lanes(fanout, published)
     else:
@@ -134,27 +134,13 @@ def _point(engine_id: str) -> float:
     return int.from_bytes(digest, "big") / 2**64
 
 
-# When each (run, version) was published, as the snapshots showed it while it was the
-# newest: engines registered after it are placed by registration (`_Lane`). A version
-# this process never saw as the newest has no time here, and every engine is placed by
-# its place on the circle.
-_PUBLISHED: dict[tuple[str, int], float] = {}
-_PUBLISHED_KEPT = 4096
-
-
-def _published_at(snapshot: FleetSnapshot, run_id: str, version: int) -> float:
-    run = snapshot.runs.get(run_id)
-    key = (run_id, version)
-    if (
-        run is not None
-        and run.latest_version == version
-        and run.latest_published_at is not None
-        and key not in _PUBLISHED
-    ):
-        if len(_PUBLISHED) >= _PUBLISHED_KEPT:
-            _PUBLISHED.pop(next(iter(_PUBLISHED)))
-        _PUBLISHED[key] = run.latest_published_at
-    return _PUBLISHED.get(key, math.inf)
+def _published_at(run_id: str, version: int) -> float:
+    """When `version` was published, as this process's snapshots showed it while it was
+    the newest: engines registered after it are placed by registration (`_Lane`). A
+    version no snapshot of this process showed as the newest gives infinity: every engine
+    is placed by its place on the circle."""
+    found = published_at(run_id, version)
+    return math.inf if found is None else found
 
 
 _TREE, _OTHERS, _LATE = 0, 1, 2

@@ -81,6 +81,32 @@ def engine_seed(engine_id: str) -> int:
     return xxhash.xxh64_intdigest(engine_id.encode())
 
 
+# When each (run, version) was published, recorded by every snapshot built while it was
+# the run's newest version (the database keeps only the latest one's time in a run's
+# view). Fetch plans order the engines registered after a version by registration; every
+# replica builds a snapshot every `snapshot_refresh_s` (0.5 s), so all of them learn each
+# version's time, whoever asks them for plans, unless it is replaced within one refresh.
+_PUBLISHED: dict[tuple[str, int], float] = {}
+_PUBLISHED_KEPT = 4096
+
+
+def _remember_published(runs: Iterable[RunView]) -> None:
+    for run in runs:
+        if run.latest_version is None or run.latest_published_at is None:
+            continue
+        key = (run.run_id, run.latest_version)
+        if key not in _PUBLISHED:
+            if len(_PUBLISHED) >= _PUBLISHED_KEPT:
+                _PUBLISHED.pop(next(iter(_PUBLISHED)))
+            _PUBLISHED[key] = run.latest_published_at
+
+
+def published_at(run_id: str, version: int) -> float | None:
+    """When `version` of `run_id` was published, if a snapshot of this process showed it
+    as the run's newest version; None otherwise."""
+    return _PUBLISHED.get((run_id, version))
+
+
 @dataclass
 class FleetSnapshot:
     built_at: float
@@ -112,6 +138,7 @@ class FleetSnapshot:
     ) -> FleetSnapshot:
         by_id = {e.engine_id: e for e in engines if e.lease_expires_at > now}
         run_map = {r.run_id: r for r in runs}
+        _remember_published(run_map.values())
         grouped: dict[tuple[str, Precision], list[EngineView]] = {}
         per_run: dict[str, list[EngineView]] = {}
         for e in by_id.values():

@@ -230,8 +230,8 @@ def test_engines_arriving_one_at_a_time_form_balanced_trees_as_a_fleet_that_wait
 
 
 def test_a_replica_that_never_saw_the_version_as_the_newest_lays_everyone_out_by_place() -> None:
-    # The publication time is learnt from snapshots while the version is the newest; a
-    # replica that started later cannot tell late engines from early ones and places them
+    # The publication time is learnt from the snapshots built while the version is the
+    # newest; a replica that started later cannot tell late engines from early ones and places them
     # all by their place on the circle, as for a fleet that waited.
     published = time.time()
     run_id = f"unseen-{uuid.uuid4().hex}"  # the publication times are kept per process
@@ -254,7 +254,11 @@ def test_a_replica_that_never_saw_the_version_as_the_newest_lays_everyone_out_by
         }
 
     assert layout(late, latest=3) == layout(early, latest=3)
-    assert layout(late, latest=3) != layout(late, latest=2)  # ... unlike one that saw it
+    # Any snapshot built while v2 was the newest teaches it, with no plan asked then (a
+    # replica whose agents asked another one for their plans meanwhile).
+    FleetSnapshot.build(time.time(), late, [RunView(run_id, 2, published, TargetPolicy())], {})
+    assert layout(late, latest=3) != layout(early, latest=3)
+    assert layout(late, latest=3) == layout(late, latest=2)
 
 
 def write_claim(store_root: Path, run_id: str, version: int) -> tuple[str, str]:
