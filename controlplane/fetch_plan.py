@@ -99,7 +99,10 @@ def plan_fetch(
     if plan_size <= 0 or fanout <= 0:
         return FetchPlan(version=version)
     orders = _orders(snapshot, run_id, version, frozenset(suspects))
-    published = _published_at(run_id, version)
+    # Engines registered after the publication are placed by registration (`_Lane`); a
+    # version no snapshot of this process showed as the newest places everyone by place.
+    found = published_at(run_id, version)
+    published = math.inf if found is None else found
     if engine_id in orders.fetcher_ids:
         lanes = orders.lanes(fanout, published)
     else:
@@ -134,16 +137,7 @@ def _point(engine_id: str) -> float:
     return int.from_bytes(digest, "big") / 2**64
 
 
-def _published_at(run_id: str, version: int) -> float:
-    """When `version` was published, as this process's snapshots showed it while it was
-    the newest: engines registered after it are placed by registration (`_Lane`). A
-    version no snapshot of this process showed as the newest gives infinity: every engine
-    is placed by its place on the circle."""
-    found = published_at(run_id, version)
-    return math.inf if found is None else found
-
-
-_TREE, _OTHERS, _LATE = 0, 1, 2
+_OTHERS, _LATE = 1, 2  # `_Lane` groups after the tree (0)
 
 
 @dataclass(frozen=True)
