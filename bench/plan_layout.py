@@ -9,7 +9,10 @@ parents for a whole pass. Two ways a fleet meets a version:
 - **arriving**: engines register one at a time after the publication, each asking from a
   snapshot of the engines before it (a fleet that starts from nothing, or grows); with
   `--finish-after K`, each engine also applies the version K registrations later, so the
-  late ones see earlier ones as holders.
+  late ones see earlier ones as holders; a fourth case has them finish so and also ask
+  for their plans out of order, each up to `--asks-within` registrations after its own
+  (seeded at random; a real fleet's plan requests come in another order than its
+  registrations, from snapshots that list engines registered after the asker).
 
 Per case: the most children any parent is named by in one lane (every child of a parent
 shares its upload), the most for an engine that already held the version, store roots
@@ -22,6 +25,7 @@ with the worst figures of each way and the per-case table.
 from __future__ import annotations
 
 import json
+import random
 import time
 import uuid
 from dataclasses import replace
@@ -60,7 +64,12 @@ def _plans(
 
 
 def layout(
-    engines: int, holders: int, fanout: int, arriving: bool, finish_after: int | None = None
+    engines: int,
+    holders: int,
+    fanout: int,
+    arriving: bool,
+    finish_after: int | None = None,
+    asks_within: int = 0,
 ) -> dict[str, Any]:
     """The figures of one fleet (see the module docstring)."""
     run = f"layout-{uuid.uuid4().hex[:8]}"  # publication times are remembered per run
@@ -69,12 +78,19 @@ def layout(
     ids = [f"engine-{k:05d}" for k in range(engines)]
     kept: dict[str, list[list[str]]] = {}
     if arriving:
-        for k, me in enumerate(ids):
-            fleet[me] = _view(me, run, VERSION - 1, published + 1 + k)
-            if finish_after is not None and k >= finish_after:
+        # Engine k asks after up to `asks_within` more engines registered (seeded).
+        lags = random.Random(engines * 31 + holders).choices(range(asks_within + 1), k=engines)
+        asking: dict[int, list[str]] = {}
+        for k in range(engines + asks_within):
+            if k < engines:
+                me = ids[k]
+                fleet[me] = _view(me, run, VERSION - 1, published + 1 + k)
+                asking.setdefault(k + lags[k], []).append(me)
+            if finish_after is not None and engines > k >= finish_after:
                 done = ids[k - finish_after]
                 fleet[done] = replace(fleet[done], applied_version=VERSION)
-            kept.update(_plans(fleet, run, published, [me], fanout))
+            if k in asking:
+                kept.update(_plans(fleet, run, published, asking.pop(k), fanout))
     else:
         fleet.update((me, _view(me, run, VERSION - 1, 0.0)) for me in ids)
         kept = _plans(fleet, run, published, ids, fanout)
@@ -100,6 +116,7 @@ def layout(
         "fanout": fanout,
         "arriving": arriving,
         "finish_after": finish_after,
+        "asks_within": asks_within,
         "max_children": max((max(c.values(), default=0) for c in children), default=0),
         "max_holder_children": max(
             (n for c in children for e, n in c.items() if e.startswith("holder")), default=0
@@ -123,6 +140,9 @@ def run(
     finish_after: int = typer.Option(
         20, min=1, help="arriving engines apply the version this many registrations later"
     ),
+    asks_within: int = typer.Option(
+        5, min=0, help="out-of-order arrivals ask up to this many registrations late"
+    ),
 ) -> None:
     """Fetch-plan trees for fleets that waited and fleets that arrive one engine at a time."""
     cases = []
@@ -132,12 +152,13 @@ def run(
     )
     for n in engines:
         for h in holders:
-            for way, arriving, finish in (
-                ("waited", False, None),
-                ("arriving", True, None),
-                (f"arriving, finish +{finish_after}", True, finish_after),
+            for way, arriving, finish, late in (
+                ("waited", False, None, 0),
+                ("arriving", True, None, 0),
+                (f"arriving, finish +{finish_after}", True, finish_after, 0),
+                (f"arriving, asks <= +{asks_within}", True, finish_after, asks_within),
             ):
-                case = layout(n, h, fanout, arriving, finish)
+                case = layout(n, h, fanout, arriving, finish, late)
                 cases.append(case)
                 print(
                     f"{way:<22} {n:>7} {h:>7} {case['max_children']:>8} "

@@ -145,12 +145,13 @@ class _Lane:
     """One lane's tree. In heap order (the parent of place i is place (i - 1) // fanout):
     `tree`, the lane's holders, then its own early fetchers (registered before the
     version was published, placed in the lane's share of the circle) by place, then its
-    own late fetchers (registered after it) by registration, from `late_own_at`; then
-    `others`, the other early fetchers, backwards round the circle from the lane's start.
-    `late`, the other late fetchers by registration, are leaves only: the c-th hangs under
-    the c // (fanout - 1)-th late own fetcher, or the last of `tree` while that one has
-    not come yet. A late fetcher's own lane is its rank among the late engines (fetchers
-    and holders, by registration) modulo `fanout` (`_lanes`).
+    own late fetchers (registered after it) by registration; then `others`, the other
+    early fetchers, backwards round the circle from the lane's start. `late`, the other
+    late fetchers by registration, are leaves only: each hangs under the late engine of
+    this lane ranked just before it (`leaf_parents`: its place in `tree`), or, when none
+    is, under the last of the holders and early fetchers, or nobody (it reads this lane
+    from the store). A late engine's own lane is its rank among the late engines
+    (fetchers and holders, by registration) modulo `fanout` (`_lanes`).
 
     Why two orders. Early fetchers ask for their plans together, from snapshots that list
     them all: laid out by place, each lane's share is its interior and the rest its
@@ -165,7 +166,11 @@ class _Lane:
     free place of its own tree and hangs under the one that came just before it in each
     other lane, so no parent is named by more than `fanout` + `fanout` - 1 children (3
     at 2 lanes, simulated from 6 to 1,000 engines, with or without holders and engines
-    finishing while others arrive).
+    finishing while others arrive). Where a leaf hangs depends on the ranks alone, not on
+    which engines the snapshot of its plan listed: hung under the c-th own fetcher when
+    the lane had that many, else under its last, a leaf took a fourth child's share
+    whenever the next own fetcher had not registered yet when it asked (a 30-engine cold
+    start: one parent of four, the lane below it at a quarter of a link).
 
     Backwards round the circle: a lane short of its share of the circle (the shares differ
     by about √n engines by chance) takes the rest of its interior from the start of
@@ -183,7 +188,7 @@ class _Lane:
     tree: list[str]
     others: list[str]
     late: list[str]
-    late_own_at: int
+    leaf_parents: dict[str, int]
     _where: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def parents(self, engine_id: str, fanout: int, plan_size: int) -> list[str]:
@@ -196,7 +201,9 @@ class _Lane:
         index = rank + (len(self.tree) if group == _OTHERS else 0)
         if group == _LATE:
             if self.tree:
-                index = min(self.late_own_at + rank // max(1, fanout - 1), len(self.tree) - 1)
+                index = self.leaf_parents[engine_id]
+                if index < 0:
+                    return []
                 chain.append(index)
             else:  # no holder and no own fetcher: the others, then the late ones, in turn
                 index = len(self.others) + rank
@@ -241,17 +248,31 @@ def _lanes(
         start = bisect.bisect_left(early, (low, ""))
         end = bisect.bisect_left(early, (high, ""))
         others = [early[(start - 1 - j) % len(early)][1] for j in range(len(early) - (end - start))]
-        tree = [
+        held = [
             *first[lane::fanout],
             *(e for own, e, fetching in late if own == lane and not fetching),
-            *(e for _, e in early[start:end]),
         ]
+        tree = [
+            *held,
+            *(e for _, e in early[start:end]),
+            *(e for own, e, fetching in late if own == lane and fetching),
+        ]
+        at = {e: i for i, e in enumerate(tree)}
+        # Before any late engine of this lane: the last early fetcher, else the last of
+        # the first holders, else nobody.
+        before = len(held) + (end - start) - 1 if end > start else len(first[lane::fanout]) - 1
+        leaf_parents = {}
+        for own, e, fetching in late:
+            if own == lane:
+                before = at[e]
+            elif fetching:
+                leaf_parents[e] = before
         lanes.append(
             _Lane(
-                tree=[*tree, *(e for own, e, fetching in late if own == lane and fetching)],
+                tree=tree,
                 others=others,
                 late=[e for own, e, fetching in late if own != lane and fetching],
-                late_own_at=len(tree),
+                leaf_parents=leaf_parents,
             )
         )
     return lanes

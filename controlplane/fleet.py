@@ -87,6 +87,8 @@ class Fleet:
         # Engines deregistered here since the snapshot's read (appended from route threads).
         self._departed: list[str] = []
         self._changed: asyncio.Event | None = None
+        # Callers waiting for a read that began at or after a time (`listing`).
+        self._readers: list[tuple[float, asyncio.Future[None]]] = []
         self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._last_reap = 0.0
@@ -149,6 +151,16 @@ class Fleet:
                 observe(snap)
             except Exception:
                 log.exception("a fleet observer failed on a new snapshot")
+        if self._readers:
+            waiting = []
+            for after, reader in self._readers:
+                if reader.done():
+                    continue  # its caller gave up
+                if snap.read_at >= after:
+                    reader.set_result(None)
+                else:
+                    waiting.append((after, reader))
+            self._readers = waiting
         if self._changed is not None and _answers_may_differ(previous, snap):
             changed, self._changed = self._changed, asyncio.Event()
             changed.set()
@@ -297,6 +309,32 @@ class Fleet:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout):
                 await self._changed.wait()
+
+    async def listing(self, engine_id: str, wait_s: float) -> FleetSnapshot:
+        """The snapshot, once it lists `engine_id`: if the current one does not (the engine
+        registered after it was read), the first read that begins after this call, waited
+        for at most `wait_s` seconds (then the current snapshot, whatever it lists).
+
+        A new engine asks for its fetch plan within milliseconds of registering, before the
+        read its registration asked for has been installed. A plan laid out from a snapshot
+        that lists neither it nor the engines registered just before it gives it a rank
+        among the late engines that one of those already holds (`fetch_plan`): in a
+        30-engine cold start two engines asked 20 ms apart got the same rank, and so the
+        same lane and parents. A read that began after the request began after the
+        registration was committed, and so after those of the engines registered before
+        it."""
+        snap = self.snapshot
+        if engine_id in snap.engines or self._loop is None:
+            return snap
+        reader = self._loop.create_future()
+        # Without reads (a database outage) the callers that gave up pile up: drop them.
+        self._readers = [(after, r) for after, r in self._readers if not r.done()]
+        self._readers.append((time.time(), reader))
+        self.mark_dirty()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(wait_s):
+                await reader
+        return self.snapshot
 
     def note_exact(self, run_id: str, version: int) -> None:
         """An exact-version request arrived; keep_pinned reads this demand."""

@@ -9,7 +9,8 @@
 - `GET /v1/tokens/self` (any role): the caller's role, so an agent can check that a peer
   asking for files holds an engine token without a database of its own.
 
-Plans are computed from the in-memory fleet snapshot (`controlplane/fetch_plan.py`); a
+Plans are computed from the in-memory fleet snapshot (`controlplane/fetch_plan.py`), one
+that lists the asking engine (a new one waits for the read its registration asked for); a
 plan that names peers carries the version's claim and index, read from the store once per
 version (`controlplane/planning_files.py`). These routes never log a token.
 """
@@ -27,6 +28,11 @@ from controlplane.fetch_plan import plan_fetch
 from controlplane.services import Services
 from wire import MAX_INT, Role
 from wire.peers import FetchPlan, PeerReport, TokenIdentity
+
+# How long a plan request from an engine the fleet snapshot does not list yet (one that
+# registered a moment ago) waits for a read that lists it (`Fleet.listing`); reads come
+# within ~0.1 s of a registration.
+PLAN_SNAPSHOT_WAIT_S = 2.0
 
 RoleDependency = Callable[[frozenset[Role]], Callable[..., Coroutine[Any, Any, Role]]]
 
@@ -61,8 +67,9 @@ def install(app: FastAPI, cp: Services, role: RoleDependency) -> None:
     ) -> FetchPlan:
         """Peers to fetch `version`'s files from, nearest first; then the store."""
         run_id = await cp.fleet.engine_run(engine_id)
+        snapshot = await cp.fleet.listing(engine_id, PLAN_SNAPSHOT_WAIT_S)
         plan = plan_fetch(
-            cp.fleet.snapshot,
+            snapshot,
             engine_id,
             run_id,
             version,
@@ -73,7 +80,7 @@ def install(app: FastAPI, cp: Services, role: RoleDependency) -> None:
         if not lanes:
             plan.lanes = None
         cp.metrics.fetch_plans.labels("yes" if plan.peers else "no").inc()
-        run = cp.fleet.snapshot.runs.get(run_id)
+        run = snapshot.runs.get(run_id)
         # Only with peers: an engine told to read the store (the tree's root, a lone
         # engine, peer fetch off) reads the claim and index there as it always did.
         if (

@@ -10,7 +10,8 @@ def test_plan_layout_bench_reports_balanced_trees_for_fleets_that_waited_and_tha
         "bench.plan_layout", "--engines", "40", "--holders", "0", "--holders", "1",
         "--finish-after", "5", timeout=120,
     )  # fmt: skip
-    assert len(figures["cases"]) == 6  # 1 size x 2 holder counts x 3 ways
+    assert len(figures["cases"]) == 8  # 1 size x 2 holder counts x 4 ways
+    assert any(c["asks_within"] == 5 for c in figures["cases"])
     assert figures["waited"] == {
         "max_children": 2, "max_store_roots_per_lane": 1, "max_interior_in_two_lanes": 0
     }  # fmt: skip

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import random
 import time
 import uuid
 from collections.abc import Callable
@@ -167,48 +168,74 @@ def test_a_plan_size_of_zero_turns_peer_fetch_off() -> None:
 
 
 def growing_fleet(
-    run: str, n: int, *, holders: int = 0, finish_after: int | None = None, fanout: int = 2
+    run: str,
+    n: int,
+    *,
+    holders: int = 0,
+    finish_after: int | None = None,
+    fanout: int = 2,
+    asks_within: int = 0,
 ) -> dict[str, list[list[str]]]:
     """Engines registering one at a time after v2 was published, each asking for its plan
-    from a snapshot of those before it and keeping it (an agent keeps its parents for its
-    whole pass); with `finish_after`, each applies v2 that many registrations later.
-    Every engine's plan, per lane."""
+    from a snapshot of those registered so far and keeping it (an agent keeps its parents
+    for its whole pass); with `finish_after`, each applies v2 that many registrations later;
+    with `asks_within`, each asks only after up to that many more engines registered
+    (seeded at random; the asks of a real fleet come in another order than its
+    registrations). Every engine's plan, per lane."""
     published = time.time()
     fleet = {
         f"holder-{i}": view(f"holder-{i}", 2, run_id=run, lease_expires_at=published + 600)
         for i in range(holders)
     }
+    lags = random.Random(n).choices(range(asks_within + 1), k=n)
+    asking: dict[int, list[str]] = {}
     kept: dict[str, list[list[str]]] = {}
-    for k in range(n):
-        me = f"engine-{k:04d}"
-        registered = dict(
-            run_id=run, lease_expires_at=published + 600, registered_at=published + 1 + k
-        )
-        fleet[me] = view(me, 1, **registered)
-        if finish_after is not None and k >= finish_after:
+    for k in range(n + asks_within):
+        if k < n:
+            me = f"engine-{k:04d}"
+            registered = dict(
+                run_id=run, lease_expires_at=published + 600, registered_at=published + 1 + k
+            )
+            fleet[me] = view(me, 1, **registered)
+            asking.setdefault(k + lags[k], []).append(me)
+        if finish_after is not None and n > k >= finish_after:
             done = f"engine-{k - finish_after:04d}"
             fleet[done] = replace(fleet[done], applied_version=2)
         snap = FleetSnapshot.build(
             time.time(), fleet.values(), [RunView(run, 2, published, TargetPolicy())], {}
         )
-        plan = plan_fetch(snap, me, run, 2, fanout=fanout, plan_size=3)
-        kept[me] = [[p.engine_id for p in lane] for lane in plan.lanes]
+        for me in asking.pop(k, []):
+            plan = plan_fetch(snap, me, run, 2, fanout=fanout, plan_size=3)
+            kept[me] = [[p.engine_id for p in lane] for lane in plan.lanes]
     return kept
 
 
 @pytest.mark.parametrize(
-    ("n", "holders", "finish_after"),
-    [(30, 0, None), (300, 0, None), (300, 2, None), (300, 0, 20), (300, 1, 20)],
+    ("n", "holders", "finish_after", "asks_within"),
+    [
+        (30, 0, None, 0),
+        (300, 0, None, 0),
+        (300, 2, None, 0),
+        (300, 0, 20, 0),
+        (300, 1, 20, 0),
+        (30, 1, None, 3),
+        (300, 0, None, 5),
+        (300, 1, 20, 5),
+    ],
 )
 def test_engines_arriving_one_at_a_time_form_balanced_trees_as_a_fleet_that_waited(
-    n: int, holders: int, finish_after: int | None
+    n: int, holders: int, finish_after: int | None, asks_within: int
 ) -> None:
     # A cold start: engines register one by one after the version was published. Laid out
     # by place on the circle, each newcomer landed anywhere in its lane and the first
     # parents were named by 10 or more children (every lane below them at a fraction of
-    # a link); a streak of newcomers placed in one lane all hung under one parent.
-    run = f"growing-{n}-{holders}-{finish_after}"
-    kept = growing_fleet(run, n, holders=holders, finish_after=finish_after)
+    # a link); a streak of newcomers placed in one lane all hung under one parent. Where
+    # a leaf hung depended on how many engines had registered when it asked (a parent of
+    # four in a 30-engine bench run).
+    run = f"growing-{n}-{holders}-{finish_after}-{asks_within}"
+    kept = growing_fleet(
+        run, n, holders=holders, finish_after=finish_after, asks_within=asks_within
+    )
     fanout = 2
     lanes_of: dict[str, set[int]] = {}
     for lane in range(fanout):
@@ -322,3 +349,51 @@ def test_a_plan_without_peers_or_for_an_unpublished_version_carries_no_planning_
     ahead = api.call("GET", f"/v1/engines/{alone}/fetch-plan?version=2&planning=1", "engine")
     ahead = ahead.json()
     assert ahead.get("planning") is None
+
+
+def test_a_new_engine_is_planned_from_a_snapshot_listing_it_and_those_registered_before_it(
+    make_api: Callable[..., Api], sqlite_url: str
+) -> None:
+    """A new engine asks for its plan right after it registers, before the read its
+    registration asked for is installed. Laid out from a snapshot that lists neither it nor
+    the engine registered just before it, it took that engine's rank and lane."""
+    from wire.engines import EngineRegister
+
+    # No periodic read: only the reads a change asks for.
+    api = make_api(sqlite_url, snapshot_refresh_s=600.0)
+    run_id = f"late-{uuid.uuid4().hex[:8]}"  # publication times are remembered per run
+    api.create_run(run_id)
+    api.publish(run_id, 1)
+    holder = api.register(run_id, 1)
+    api.settle()
+    cp = api.client.app.state.cp
+
+    def registered_elsewhere(name: str) -> str:
+        """Registered in the database without telling this replica (as by another one)."""
+        body = EngineRegister(
+            url=f"http://127.0.0.1:9/{name}", run_id=run_id, precision="bf16",
+            sync_state=SyncState.SYNCING,
+        )  # fmt: skip
+        return cp.registry.register(body, None)[0]
+
+    first, second = registered_elsewhere("first"), registered_elsewhere("second")
+    assert first not in cp.fleet.snapshot.engines and second not in cp.fleet.snapshot.engines
+    reply = api.call("GET", f"/v1/engines/{second}/fetch-plan?version=1&lanes=true", "engine")
+    assert reply.status_code == 200, reply.text
+    lanes = [[peer["engine_id"] for peer in lane] for lane in reply.json()["lanes"]]
+    # By registration the holder ranks first (lane 0), `first` second (lane 1's root) and
+    # `second` third: under the holder in its own lane, a leaf under `first` in lane 1.
+    # Laid out without the two, `second` ranked second and read lane 1 from the store too.
+    assert lanes == [[holder], [first]]
+    assert first in cp.fleet.snapshot.engines
+
+
+def test_waiting_for_a_snapshot_that_lists_an_engine_ends_at_its_limit(
+    make_api: Callable[..., Api], sqlite_url: str
+) -> None:
+    api = make_api(sqlite_url)
+    fleet = api.client.app.state.cp.fleet
+    # No read ever lists an engine that never registered: the current snapshot comes back.
+    found = api.client.portal.call(fleet.listing, "never-registered", 0.2)
+    assert "never-registered" not in found.engines
+    assert found.read_at > 0
