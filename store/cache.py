@@ -22,7 +22,7 @@ import os
 import struct
 import threading
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +38,66 @@ from store.types import VersionRef
 log = logging.getLogger(__name__)
 
 _SIDECAR = ".xxh3"
+_SHARD_SUFFIX = ".safetensors"
 # Small files (the index) are kept in memory once read; shards are not, to bound memory.
 _MEMO_LIMIT = 1 << 20
+
+
+def fetch_versions(
+    versions: Sequence[VersionFiles], fetched: Callable[[int], None] | None = None
+) -> None:
+    """Fetch every file of `versions` (a catch-up's chain, in order) now and hold it in
+    memory; `fetched(i)` hears, in order, that every file of `versions[i]` is held (from the
+    thread that fetched its last file).
+
+    With a fetch plan of several lanes, one worker per lane takes that lane's files of every
+    version in turn, the chain's first version first and each version's index before its
+    shards: each file comes from its lane's parent, whose upload is shared by its children,
+    and a lane never fetches two files at once (a worker that finished its own lane's files
+    of a version and took the other lane's next one split that parent's upload further).
+    Nor does a lane wait for the other lanes to finish a version before it starts the next:
+    the versions were fetched one after the other, and in a 30-engine cold start on capped
+    links each version ended with one lane idle while the other fetched its last shard and
+    then the index. Without lanes, one file at a time."""
+    queues: dict[int, list[tuple[int, str]]] = {}
+    for index, files in enumerate(versions):
+        for lane, name in files.queued():
+            queues.setdefault(lane, []).append((index, name))
+    left = [len(files.sizes) for files in versions]
+    reported = 0
+    lock = threading.Lock()
+
+    def report() -> None:
+        nonlocal reported
+        while reported < len(left) and left[reported] == 0:
+            if fetched is not None:
+                fetched(reported)
+            reported += 1
+
+    failed = threading.Event()
+
+    def fetch(queue: list[tuple[int, str]]) -> None:
+        for index, name in queue:
+            if failed.is_set():
+                return  # another lane failed: the catch-up fails with its error
+            try:
+                versions[index].hold_fetched(name)
+            except BaseException:
+                failed.set()
+                raise
+            with lock:
+                left[index] -= 1
+                report()
+
+    if len(queues) <= 1:
+        for queue in queues.values():
+            fetch(queue)
+    else:
+        with concurrent.futures.ThreadPoolExecutor(len(queues)) as pool:
+            for future in [pool.submit(fetch, queue) for queue in queues.values()]:
+                future.result()
+    with lock:
+        report()  # versions without files
 
 
 class FileCache:
@@ -327,20 +385,30 @@ class VersionFiles(Mapping[str, bytes]):
         self._keep(version_file_key(self.ref, name), data)
 
     def fetch_all(self) -> int:
-        """Fetch every file now and hold it in memory; return the bytes held. With a fetch
-        plan of several lanes, that many files are fetched at once (each from its lane's
-        parent, each parent's upload shared by its children)."""
-        lanes = self.sources.lanes if self.sources is not None and self.digests else 0
-        # In lane order (each worker's next file from another parent than the others').
-        names = sorted(self.sizes, key=lambda name: self._place.get(name, len(self._place)))
-        if lanes > 1 and len(names) > 1:
-            with concurrent.futures.ThreadPoolExecutor(min(lanes, len(names))) as pool:
-                for name, data in zip(names, pool.map(self.__getitem__, names), strict=True):
-                    self._memo[name] = data
-        else:
-            for name in names:
-                self._memo[name] = self[name]
+        """Fetch every file now and hold it in memory; return the bytes held (see
+        `fetch_versions`)."""
+        fetch_versions([self])
         return sum(len(data) for data in self._memo.values())
+
+    def queued(self) -> list[tuple[int, str]]:
+        """(lane, name) of every file, in the order they are fetched: files that are not
+        shards (the index) first, then by place. Without lanes, or for a file with no place
+        (no digest: from the store only), the lane is -1."""
+        lanes = self.sources.lanes if self.sources is not None and self.digests else 0
+        names = sorted(
+            self.sizes,
+            key=lambda name: (
+                name.endswith(_SHARD_SUFFIX), self._place.get(name, len(self._place)), name
+            ),
+        )  # fmt: skip
+        return [
+            (self._place[name] % lanes if lanes > 1 and name in self._place else -1, name)
+            for name in names
+        ]
+
+    def hold_fetched(self, name: str) -> None:
+        """Fetch `name` now (if it is not held yet) and hold it in memory."""
+        self._memo[name] = self[name]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.sizes)

@@ -33,7 +33,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from store.cache import FileCache, VersionFiles
+from store.cache import FileCache, VersionFiles, fetch_versions
 from store.catchup import CatchUpPlan, plan_catch_up
 from store.checksum import tensor_checksum
 from store.errors import (
@@ -558,13 +558,18 @@ class Store:
         if on_plan is not None:
             on_plan(plan)
         total = len(plan.downloads) + 1
-        fetched: list[VersionFiles] = []
-        for done, version in enumerate(plan.downloads):
-            files = self.open_version(VersionRef(run_id, version), sources, relayed.get(version))
-            files.fetch_all()
-            fetched.append(files)
-            if progress:
-                progress(done + 1, total, f"fetched {run_id} v{version}")
+        fetched = [
+            self.open_version(VersionRef(run_id, version), sources, relayed.get(version))
+            for version in plan.downloads
+        ]
+        fetch_versions(
+            fetched,
+            None
+            if progress is None
+            else lambda done: progress(
+                done + 1, total, f"fetched {run_id} v{plan.downloads[done]}"
+            ),
+        )
         if plan.from_have:
             assert base is not None
             start: Mapping[str, RawTensor] = base

@@ -20,6 +20,7 @@ import pytest
 
 from store.checksum import tensor_checksum
 from store.layout import CLAIM_FILENAME, version_file_key
+from store.manifest import INDEX_FILENAME as INDEX
 from store.sources import HttpSource, ObjectSource, SourcedFetch
 from store.sources.base import SourceFailed
 from store.sources.http import PARTIAL_HEADER, open_client, shared_tls
@@ -417,3 +418,77 @@ def test_a_source_unavailable_for_one_file_is_kept_for_the_others_once(
         server.shutdown()
         server.server_close()
         thread.join(5)
+
+
+class Recorded(ObjectSource):
+    """A mirror that records the keys it is asked for, in order, and how many it serves at
+    once; `hold(key)` runs before it serves `key`."""
+
+    def __init__(self, objects: Any, lock: threading.Lock, hold: Any = None) -> None:
+        super().__init__(objects)
+        self.asked: list[str] = []
+        self.serving = self.most = 0
+        self._lock = lock
+        self._hold = hold
+
+    def fetch(self, key: str, size: int, sink: Any = None, offset: int = 0) -> bytes:
+        with self._lock:
+            self.asked.append(key)
+            self.serving += 1
+            self.most = max(self.most, self.serving)
+        try:
+            if self._hold is not None:
+                self._hold(key)
+            return super().fetch(key, size, sink, offset)
+        finally:
+            with self._lock:
+                self.serving -= 1
+
+
+def test_each_lane_fetches_the_whole_chain_one_file_at_a_time_without_waiting_for_the_other(
+    origin: tuple[Store, dict], tmp_path: Path
+) -> None:
+    # One worker per lane over every version of the catch-up: a lane never fetches two files
+    # at once (they would share its parent's upload), takes each version's index before its
+    # shards, and goes on to the next version while the other lane still fetches this one.
+    # Fetched a version at a time, each version ended with one lane idle.
+    store, history = origin
+    lock = threading.Lock()
+    ahead = threading.Event()
+    chain = (0, 1, 2)
+    # The claim's files by place; each lane's share in the order it fetches them.
+    places = {v: sorted(store.file_digests(VersionRef(RUN, v))) for v in chain}
+
+    def share(v: int, lane: int) -> list[str]:
+        mine = [name for place, name in enumerate(places[v]) if place % 2 == lane]
+        ordered = sorted(mine, key=lambda name: name.endswith(".safetensors"))
+        return [version_file_key(VersionRef(RUN, v), name) for name in ordered]
+
+    held_back: list[str] = []
+
+    def wait_for_the_other_lane(key: str) -> None:
+        if key == share(1, 0)[-1]:  # lane 0's last file of version 1
+            held_back.append(key)
+            assert ahead.wait(30), "the other lane waited for this one to finish version 1"
+
+    mirror = mirror_of(store, tmp_path)
+    lane0 = Recorded(ObjectSource.open(str(mirror)).objects, lock, wait_for_the_other_lane)
+    lane1 = Recorded(ObjectSource.open(str(mirror)).objects, lock, None)
+
+    def noted(key: str) -> None:
+        if "weight_v000002" in key:
+            ahead.set()
+
+    lane1._hold = noted
+    progress: list[str] = []
+    tensors = store.materialize(
+        RUN, 2, sources=SourcedFetch([], lanes=[[lane0], [lane1]]),
+        progress=lambda done, total, what: progress.append(what),
+    )  # fmt: skip
+    assert same_tensors(tensors, history[2])
+    assert held_back and ahead.is_set()
+    assert lane0.most == 1 and lane1.most == 1
+    for lane, source in enumerate((lane0, lane1)):
+        assert source.asked == [key for v in chain for key in share(v, lane)]
+    assert any(key.endswith(INDEX) for key in lane0.asked + lane1.asked)
+    assert progress == [f"fetched {RUN} v{v}" for v in chain] + [f"folded {RUN} v2"]
