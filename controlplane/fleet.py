@@ -319,8 +319,8 @@ class Fleet:
         read its registration asked for has been installed. A plan laid out from a snapshot
         that lists neither it nor the engines registered just before it gives it a rank
         among the late engines that one of those already holds (`fetch_plan`): in a
-        30-engine cold start two engines asked 20 ms apart got the same rank, and so the
-        same lane and parents. A read that began after the request began after the
+        30-engine cold start two engines that asked in the same millisecond got the same
+        rank, and so the same lane and parents. A read that began after the request began after the
         registration was committed, and so after those of the engines registered before
         it."""
         snap = self.snapshot

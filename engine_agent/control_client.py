@@ -174,14 +174,15 @@ class ControlClient:
         assert reply is not None
         return reply
 
-    async def fetch_plan(self, engine_id: str, version: int) -> FetchPlan:
+    async def fetch_plan(self, engine_id: str, version: int, since: int | None = None) -> FetchPlan:
         """The peers to fetch `version`'s files from, in lanes, with the version's claim and
-        index when the control plane has them (docs/peers.md)."""
+        index when the control plane has them, and (`since`: the version the engine holds)
+        those of the versions between (docs/peers.md)."""
+        params: dict[str, Any] = {"version": version, "planning": "true", "lanes": "true"}
+        if since is not None:
+            params["since"] = since
         reply = await self._call(
-            "GET",
-            f"/v1/engines/{engine_id}/fetch-plan",
-            FetchPlan,
-            params={"version": version, "planning": "true", "lanes": "true"},
+            "GET", f"/v1/engines/{engine_id}/fetch-plan", FetchPlan, params=params
         )
         assert reply is not None
         return reply

@@ -132,12 +132,13 @@ class PeerFetch:
         found = await self._find(version, await self._plan(version))
         return self._opened(SourcedFetch(found.rest, lanes=found.lanes))
 
-    def begin(self, version: int) -> SourcedFetch:
+    def begin(self, version: int, since: int | None = None) -> SourcedFetch:
         """`sources` without waiting: the fetch plan is asked for while the pass plans its
         catch-up, and the pass waits for it only when it first needs a source (or the plan's
-        claim and index: `relayed`)."""
+        claims and indexes: `relayed`). `since`: the version the engine holds (the plan
+        then carries the claims and indexes of the versions between too)."""
         loop = asyncio.get_running_loop()
-        plan = loop.create_task(self._plan(version))
+        plan = loop.create_task(self._plan(version, since))
         # One pass at a time: the plan of an earlier pass is no longer wanted.
         self._plans = {version: plan}
         found = asyncio.run_coroutine_threadsafe(self._find_after(version, plan), loop)
@@ -148,29 +149,35 @@ class PeerFetch:
         )
 
     async def relayed(self, run_id: str, version: int) -> dict[int, RelayedVersion]:
-        """The claim and index of `version` from the fetch plan `begin` asked for, checked
-        against each other; empty (plan from the store) when the plan has none, or they do
-        not match (counted as `relayed` in `source_faults` and logged)."""
+        """The claim and index of `version`, and of the earlier versions the plan carries,
+        from the fetch plan `begin` asked for, each checked against each other; a version
+        whose pair does not match (counted as `relayed` in `source_faults` and logged) is
+        left out, and so is everything when the target's does: those are read from the
+        store."""
         task = self._plans.pop(version, None)
         plan = await asyncio.shield(task) if task is not None else None
         if plan is None or plan.planning is None:
             return {}
-        ref = VersionRef(run_id, version)
-        try:
-            relayed = RelayedVersion.check(
-                ref, plan.planning.claim.encode(), plan.planning.index.encode()
-            )
-        except CorruptPayload as exc:
-            self.status.source_faults["relayed"] += 1
-            log.warning("v%d: the control plane's claim and index refused (%s); "
-                        "reading them from the store", version, exc)  # fmt: skip
-            return {}
-        return {version: relayed}
+        relayed = {}
+        for at, files in [(version, plan.planning), *((e.version, e) for e in plan.earlier or [])]:
+            if at > version or at in relayed:
+                continue  # not of this chain
+            try:
+                relayed[at] = RelayedVersion.check(
+                    VersionRef(run_id, at), files.claim.encode(), files.index.encode()
+                )
+            except CorruptPayload as exc:
+                self.status.source_faults["relayed"] += 1
+                log.warning("v%d: the control plane's claim and index refused (%s); "
+                            "reading them from the store", at, exc)  # fmt: skip
+                if at == version:
+                    return {}
+        return relayed
 
     async def _find_after(self, version: int, plan: asyncio.Task[FetchPlan | None]) -> FoundSources:
         return await self._find(version, await asyncio.shield(plan))
 
-    async def _plan(self, version: int) -> FetchPlan | None:
+    async def _plan(self, version: int, since: int | None = None) -> FetchPlan | None:
         """The control plane's fetch plan for `version`, asked again with a jittered backoff
         for `PLAN_RETRY_S` if it fails; then `_fallback` (None: no peers to ask)."""
         if not self.peers or self.control is None:
@@ -187,7 +194,7 @@ class PeerFetch:
                 failure = "this engine is not registered"
             else:
                 try:
-                    plan = await self.control.fetch_plan(engine_id, version)
+                    plan = await self.control.fetch_plan(engine_id, version, since)
                 except AgentError as exc:
                     failure = f"{type(exc).__name__}: {exc}"
                 else:

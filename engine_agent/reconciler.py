@@ -258,10 +258,11 @@ class Reconciler:
 
         if have is None or tensors is None:
             have, tensors = None, None
-        # The fetch plan; with it (when it names peers) the target's claim and index as the
-        # control plane read them from the store, so that the catch-up is planned and
-        # verified without reading them again (waiting for the plan replaces those reads).
-        sources = self.fetch.begin(target) if self.fetch is not None else None
+        # The fetch plan; with it (when it names peers) the claims and indexes of the target
+        # and of the versions since `have` as the control plane read them from the store,
+        # so that the catch-up is planned and verified without reading them again (waiting
+        # for the plan replaces those reads).
+        sources = self.fetch.begin(target, have) if self.fetch is not None else None
         relayed = await self.fetch.relayed(self.run_id, target) if self.fetch is not None else {}
         self.fetching = None
 

@@ -39,11 +39,21 @@ class PlanningFiles(TetherModel):
     index: str
 
 
+class EarlierPlanning(PlanningFiles):
+    """The claim and index of a version of the chain before the plan's own."""
+
+    version: int
+
+
 class FetchPlan(TetherModel):
     """Where an engine catching up to `version` gets its files: `peers` in order, then the
     store (always last, always there). An empty list means: the store only. `planning`:
     the version's claim and index when the plan names peers and the control plane has
-    them (absent: read them from the store).
+    them (absent: read them from the store). `earlier` (only for an agent that asks with
+    `since=S`, alongside `planning`): the claim and index of the versions after S and
+    before `version` that the control plane could read, at most `EARLIER_PLANNING_MAX` of
+    them, so that an engine several versions behind plans its whole chain without reading
+    a claim or index from the store.
 
     `lanes` (only for an agent that asks for them): the engine's ancestors in `len(lanes)`
     trees over the same engines, each nearest first. File *i* of a version (its place among
@@ -56,6 +66,12 @@ class FetchPlan(TetherModel):
     peers: list[PeerSource] = Field(default_factory=list)
     planning: PlanningFiles | None = None
     lanes: list[list[PeerSource]] | None = None
+    earlier: list[EarlierPlanning] | None = None
+
+
+# The most earlier versions' claim and index one plan carries (`FetchPlan.earlier`): a
+# chain longer than that reads the rest from the store.
+EARLIER_PLANNING_MAX = 8
 
 
 class PeerReport(TetherModel):

@@ -397,3 +397,34 @@ def test_waiting_for_a_snapshot_that_lists_an_engine_ends_at_its_limit(
     found = api.client.portal.call(fleet.listing, "never-registered", 0.2)
     assert "never-registered" not in found.engines
     assert found.read_at > 0
+
+
+def test_a_plan_carries_the_claims_and_indexes_of_the_versions_since_the_engines_own(
+    make_api: Callable[..., Api], sqlite_url: str
+) -> None:
+    api = make_api(sqlite_url)
+    api.create_run("chain")
+    written = {}
+    for version in (1, 2, 3):
+        api.publish("chain", version)
+        written[version] = write_claim(api.store_root, "chain", version)
+    api.register("chain", 3)
+    behind = api.register("chain", 0, sync_state="syncing")
+    api.settle()
+
+    def plan(query: str) -> dict:
+        path = f"/v1/engines/{behind}/fetch-plan?version=3&planning=true{query}"
+        reply = api.call("GET", path, "engine")
+        assert reply.status_code == 200, reply.text
+        return reply.json()
+
+    earlier = plan("&since=0")["earlier"]
+    assert [e["version"] for e in earlier] == [1, 2]
+    assert [(e["claim"], e["index"]) for e in earlier] == [written[1], written[2]]
+    assert [e["version"] for e in plan("&since=1")["earlier"]] == [2]
+    # Nothing between, or not asked (an older agent): no such field.
+    assert "earlier" not in plan("&since=2")
+    assert "earlier" not in plan("")
+    assert plan("&since=0")["planning"] == {"claim": written[3][0], "index": written[3][1]}
+    bad = api.call("GET", f"/v1/engines/{behind}/fetch-plan?version=3&since=-1", "engine")
+    assert bad.status_code == 422 and "since" in bad.text

@@ -45,8 +45,15 @@ from tests.fixtures.reference_engine import (
     launch_reference_engine,
     wait_until_ready,
 )
-from tests.store.chain import publish_chain
-from wire.peers import PEER_FILES_PATH, FetchPlan, PeerSource, PlanningFiles
+from tests.store.chain import publish_chain, same_tensors
+from wire.peers import (
+    EARLIER_PLANNING_MAX,
+    PEER_FILES_PATH,
+    EarlierPlanning,
+    FetchPlan,
+    PeerSource,
+    PlanningFiles,
+)
 
 RUN = "peer-run"
 CATCH_UP_S = 90.0
@@ -315,11 +322,15 @@ def test_a_stalled_peer_is_dropped_within_its_deadline_and_the_store_serves(
     finally:
         for holder in holders:
             os.killpg(holder.process.pid, signal.SIGCONT)
-    # C started from its boot version: the newest FULL version and every delta since came
-    # from the store, but for the target's index, which came with the control plane's plan.
-    index = fleet.chain.store._version_info(VersionRef(RUN, version)).sizes[INDEX_FILENAME]
+    # C started from its boot version (v0): the newest FULL version and every delta since
+    # came from the store, but for the indexes that came with the control plane's plan (the
+    # target's, and those of the last `EARLIER_PLANNING_MAX` versions before it since v0).
     first = max(fleet.last_full, 1)
-    needed = sum(fleet.version_bytes(v) for v in range(first, version + 1)) - index
+    relayed = range(max(first, version - EARLIER_PLANNING_MAX), version + 1)
+    indexes = sum(
+        fleet.chain.store._version_info(VersionRef(RUN, v)).sizes[INDEX_FILENAME] for v in relayed
+    )
+    needed = sum(fleet.version_bytes(v) for v in range(first, version + 1)) - indexes
     assert pass_for(agent, version)["bytes_from"].get("store", 0) == needed
 
 
@@ -549,3 +560,51 @@ def test_a_claim_and_index_from_the_control_plane_that_disagree_are_refused(
 
     fetch, relayed = fetch_with_plan(FetchPlan(version=1))
     assert relayed == {} and fetch.status.source_faults["relayed"] == 0
+
+
+def test_the_claims_and_indexes_of_earlier_versions_in_a_plan_are_checked_one_by_one(
+    tmp_path: Path,
+) -> None:
+    # An engine several versions behind plans its whole chain from the control plane's
+    # copies: in a 1,000-engine cold start every engine read v1's index from the store,
+    # queued ahead of the shards the fetch trees' roots read there.
+    store = Store(str(tmp_path / "store"))
+    publish_chain(store, RUN, "FDD")
+
+    def files(version: int) -> tuple[str, str]:
+        ref = VersionRef(RUN, version)
+        return (
+            store.objects.get(version_file_key(ref, CLAIM_FILENAME)).decode(),
+            store.objects.get(version_file_key(ref, INDEX_FILENAME)).decode(),
+        )
+
+    (claim0, index0), (claim1, index1), (claim2, index2) = files(0), files(1), files(2)
+    fetch, relayed = fetch_with_plan(
+        FetchPlan(
+            version=2, planning=PlanningFiles(claim=claim2, index=index2),
+            earlier=[EarlierPlanning(version=0, claim=claim0, index=index0),
+                     EarlierPlanning(version=1, claim=claim1, index=index1)],
+        )
+    )  # fmt: skip
+    assert sorted(relayed) == [0, 1, 2]
+    assert relayed[1].index == index1.encode() and relayed[0].index == index0.encode()
+    assert fetch.status.source_faults["relayed"] == 0
+    # A pair that does not match (v1's claim sent as v0's) is left out alone; one that
+    # claims a later version than the target is no part of this chain.
+    fetch, relayed = fetch_with_plan(
+        FetchPlan(
+            version=1, planning=PlanningFiles(claim=claim1, index=index1),
+            earlier=[EarlierPlanning(version=0, claim=claim1, index=index0),
+                     EarlierPlanning(version=2, claim=claim2, index=index2)],
+        )
+    )  # fmt: skip
+    assert sorted(relayed) == [1]
+    assert fetch.status.source_faults["relayed"] == 1
+    # The materialized chain from those copies is the store's.
+    assert same_tensors(
+        store.materialize(RUN, 2, relayed=fetch_with_plan(
+            FetchPlan(version=2, planning=PlanningFiles(claim=claim2, index=index2),
+                      earlier=[EarlierPlanning(version=1, claim=claim1, index=index1)])
+        )[1]),
+        store.materialize(RUN, 2),
+    )  # fmt: skip
