@@ -578,33 +578,23 @@ def test_the_claims_and_indexes_of_earlier_versions_in_a_plan_are_checked_one_by
             store.objects.get(version_file_key(ref, INDEX_FILENAME)).decode(),
         )
 
-    (claim0, index0), (claim1, index1), (claim2, index2) = files(0), files(1), files(2)
-    fetch, relayed = fetch_with_plan(
-        FetchPlan(
-            version=2, planning=PlanningFiles(claim=claim2, index=index2),
-            earlier=[EarlierPlanning(version=0, claim=claim0, index=index0),
-                     EarlierPlanning(version=1, claim=claim1, index=index1)],
-        )
-    )  # fmt: skip
+    def plan(version: int, *earlier: tuple[int, tuple[str, str]]) -> FetchPlan:
+        """A plan for `version` with its own pair and (version, (claim, index)) pairs."""
+        claim, index = files(version)
+        return FetchPlan(
+            version=version, planning=PlanningFiles(claim=claim, index=index),
+            earlier=[EarlierPlanning(version=v, claim=c, index=i) for v, (c, i) in earlier],
+        )  # fmt: skip
+
+    fetch, relayed = fetch_with_plan(plan(2, (0, files(0)), (1, files(1))))
     assert sorted(relayed) == [0, 1, 2]
-    assert relayed[1].index == index1.encode() and relayed[0].index == index0.encode()
+    assert relayed[1].index == files(1)[1].encode() and relayed[0].index == files(0)[1].encode()
     assert fetch.status.source_faults["relayed"] == 0
     # A pair that does not match (v1's claim sent as v0's) is left out alone; one that
     # claims a later version than the target is no part of this chain.
-    fetch, relayed = fetch_with_plan(
-        FetchPlan(
-            version=1, planning=PlanningFiles(claim=claim1, index=index1),
-            earlier=[EarlierPlanning(version=0, claim=claim1, index=index0),
-                     EarlierPlanning(version=2, claim=claim2, index=index2)],
-        )
-    )  # fmt: skip
+    fetch, relayed = fetch_with_plan(plan(1, (0, (files(1)[0], files(0)[1])), (2, files(2))))
     assert sorted(relayed) == [1]
     assert fetch.status.source_faults["relayed"] == 1
     # The materialized chain from those copies is the store's.
-    assert same_tensors(
-        store.materialize(RUN, 2, relayed=fetch_with_plan(
-            FetchPlan(version=2, planning=PlanningFiles(claim=claim2, index=index2),
-                      earlier=[EarlierPlanning(version=1, claim=claim1, index=index1)])
-        )[1]),
-        store.materialize(RUN, 2),
-    )  # fmt: skip
+    _, relayed = fetch_with_plan(plan(2, (1, files(1))))
+    assert same_tensors(store.materialize(RUN, 2, relayed=relayed), store.materialize(RUN, 2))
