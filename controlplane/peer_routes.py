@@ -50,7 +50,7 @@ async def _earlier(
 
     Without them every engine of a fleet several versions behind read each earlier
     version's index from the store: in a 1,000-engine cold start on slow links, v1's index
-    1,539 times (2.5 kB each, 337 s of the store's egress), queued ahead of the shards
+    1,539 times (2.5 kB each, ~520 s of the store's egress), queued ahead of the shards
     the roots of the fetch trees read there, so one lane never started."""
     found = []
     for earlier in range(max(since + 1, version - EARLIER_PLANNING_MAX), version):
