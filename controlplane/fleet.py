@@ -87,8 +87,8 @@ class Fleet:
         # Engines deregistered here since the snapshot's read (appended from route threads).
         self._departed: list[str] = []
         self._changed: asyncio.Event | None = None
-        # Callers waiting for a read that began at or after a time (`listing`).
-        self._readers: list[tuple[float, asyncio.Future[None]]] = []
+        # Set (and replaced) at every snapshot swap: `listing` waits on it for a new read.
+        self._installed: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._last_reap = 0.0
@@ -151,16 +151,9 @@ class Fleet:
                 observe(snap)
             except Exception:
                 log.exception("a fleet observer failed on a new snapshot")
-        if self._readers:
-            waiting = []
-            for after, reader in self._readers:
-                if reader.done():
-                    continue  # its caller gave up
-                if snap.read_at >= after:
-                    reader.set_result(None)
-                else:
-                    waiting.append((after, reader))
-            self._readers = waiting
+        if self._installed is not None:
+            installed, self._installed = self._installed, asyncio.Event()
+            installed.set()
         if self._changed is not None and _answers_may_differ(previous, snap):
             changed, self._changed = self._changed, asyncio.Event()
             changed.set()
@@ -199,6 +192,7 @@ class Fleet:
         self._loop = asyncio.get_running_loop()
         self._dirty = asyncio.Event()
         self._changed = asyncio.Event()
+        self._installed = asyncio.Event()
         await self.refresh()
         self._task = asyncio.create_task(self._refresher(), name="fleet-refresher")
 
@@ -320,20 +314,17 @@ class Fleet:
         that lists neither it nor the engines registered just before it gives it a rank
         among the late engines that one of those already holds (`fetch_plan`): in a
         30-engine cold start two engines that asked in the same millisecond got the same
-        rank, and so the same lane and parents. A read that began after the request began after the
-        registration was committed, and so after those of the engines registered before
-        it."""
-        snap = self.snapshot
-        if engine_id in snap.engines or self._loop is None:
-            return snap
-        reader = self._loop.create_future()
-        # Without reads (a database outage) the callers that gave up pile up: drop them.
-        self._readers = [(after, r) for after, r in self._readers if not r.done()]
-        self._readers.append((time.time(), reader))
+        rank, and so the same lane and parents. A read that began after the request began
+        after the registration was committed, and so after those of the engines registered
+        before it."""
+        if engine_id in self.snapshot.engines or self._installed is None:
+            return self.snapshot
+        asked = time.time()
         self.mark_dirty()
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(wait_s):
-                await reader
+                while self.snapshot.read_at < asked:
+                    await self._installed.wait()
         return self.snapshot
 
     def note_exact(self, run_id: str, version: int) -> None:

@@ -18,6 +18,7 @@ version (`controlplane/planning_files.py`). These routes never log a token.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -52,11 +53,13 @@ async def _earlier(
     version's index from the store: in a 1,000-engine cold start on slow links, v1's index
     1,539 times (2.5 kB each, ~520 s of the store's egress), queued ahead of the shards
     the roots of the fetch trees read there, so one lane never started."""
-    found = []
-    for earlier in range(max(since + 1, version - EARLIER_PLANNING_MAX), version):
-        files = await cp.planning_files.get(store_url, run_id, earlier)
-        if files is not None:
-            found.append(EarlierPlanning(version=earlier, claim=files.claim, index=files.index))
+    wanted = range(max(since + 1, version - EARLIER_PLANNING_MAX), version)
+    read = await asyncio.gather(*(cp.planning_files.get(store_url, run_id, v) for v in wanted))
+    found = [
+        EarlierPlanning(version=v, claim=files.claim, index=files.index)
+        for v, files in zip(wanted, read, strict=True)
+        if files is not None
+    ]
     return found or None
 
 
