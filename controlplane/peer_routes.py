@@ -34,6 +34,7 @@ from wire.peers import (
     EarlierPlanning,
     FetchPlan,
     PeerReport,
+    PlanningFiles,
     TokenIdentity,
 )
 
@@ -43,11 +44,17 @@ from wire.peers import (
 PLAN_SNAPSHOT_WAIT_S = 2.0
 
 
+def _planning_bytes(files: PlanningFiles) -> int:
+    """What a claim and index add to a plan (their JSON text, ASCII)."""
+    return len(files.claim) + len(files.index)
+
+
 async def _earlier(
-    cp: Services, store_url: str, run_id: str, since: int, version: int
+    cp: Services, store_url: str, run_id: str, since: int, version: int, budget: int
 ) -> list[EarlierPlanning] | None:
     """The claim and index of the versions after `since` and before `version` (the last
-    `EARLIER_PLANNING_MAX` of them) that can be read; None when there are none.
+    `EARLIER_PLANNING_MAX` of them) that can be read, oldest first while they fit in
+    `budget` bytes; None when there are none. The engine reads the others from the store.
 
     Without them every engine of a fleet several versions behind read each earlier
     version's index from the store: in a 1,000-engine cold start on slow links, v1's index
@@ -55,11 +62,14 @@ async def _earlier(
     the roots of the fetch trees read there, so one lane never started."""
     wanted = range(max(since + 1, version - EARLIER_PLANNING_MAX), version)
     read = await asyncio.gather(*(cp.planning_files.get(store_url, run_id, v) for v in wanted))
-    found = [
-        EarlierPlanning(version=v, claim=files.claim, index=files.index)
-        for v, files in zip(wanted, read, strict=True)
-        if files is not None
-    ]
+    found = []
+    for v, files in zip(wanted, read, strict=True):
+        if files is None:
+            continue
+        budget -= _planning_bytes(files)
+        if budget < 0:
+            break
+        found.append(EarlierPlanning(version=v, claim=files.claim, index=files.index))
     return found or None
 
 
@@ -128,7 +138,8 @@ def install(app: FastAPI, cp: Services, role: RoleDependency) -> None:
         ):
             plan.planning = await cp.planning_files.get(run.store_url, run_id, version)
             if plan.planning is not None and since is not None:
-                plan.earlier = await _earlier(cp, run.store_url, run_id, since, version)
+                budget = settings.planning_relay_max_bytes - _planning_bytes(plan.planning)
+                plan.earlier = await _earlier(cp, run.store_url, run_id, since, version, budget)
         return plan
 
     @app.post("/v1/engines/{engine_id}/peer-reports", status_code=204, tags=["engines"])

@@ -10,7 +10,10 @@ Owns reading those two objects (once per version, however many engines ask at th
 moment) and keeping the last `size` versions' copies. Versions are immutable, so a copy
 never goes stale. Asked only for versions at or below a run's recorded latest, which the
 store's pointer has reached (so they are complete). Never writes to the store; a store
-that cannot be read means no copy (the engines read the store themselves), never an error.
+that cannot be read means no copy (the engines read the store themselves), never an error;
+nor is a version whose claim and index together exceed `max_bytes` relayed (kept as no
+copy, so read once): for those a fleet reads the store, which serves bytes to many better
+than one process does.
 """
 
 from __future__ import annotations
@@ -36,9 +39,12 @@ Key = tuple[str, str, int]
 class PlanningFiles:
     """Claims and indexes of recent versions, read from the store once each."""
 
-    def __init__(self, size: int, on_read: Callable[[int], None] = lambda n: None) -> None:
+    def __init__(
+        self, size: int, on_read: Callable[[int], None] = lambda n: None, max_bytes: int = 1 << 20
+    ) -> None:
         self.size = size
         self.on_read = on_read
+        self.max_bytes = max_bytes
         self._copies: OrderedDict[Key, PlanningFilesBody | None] = OrderedDict()
         self._reading: dict[Key, asyncio.Task[PlanningFilesBody | None]] = {}
 
@@ -79,6 +85,13 @@ class PlanningFiles:
             return None
         index = objects.get(version_file_key(ref, INDEX_FILENAME))
         self.on_read(len(claim) + len(index))
+        if len(claim) + len(index) > self.max_bytes:
+            log.info(
+                "%s: claim and index are %d bytes, over the %d a plan carries; engines read "
+                "them from the store",
+                ref, len(claim) + len(index), self.max_bytes,
+            )  # fmt: skip
+            return None
         try:
             # The engines check the copy the same way; one that fails here is not kept.
             RelayedVersion.check(ref, claim, index)

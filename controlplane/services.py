@@ -89,7 +89,9 @@ class Services:
             store_sync=store_sync,
             suspects=Suspects(settings.peer_suspect_s),
             planning_files=PlanningFiles(
-                settings.planning_copies, metrics.store_read_bytes.labels("planning").inc
+                settings.planning_copies,
+                metrics.store_read_bytes.labels("planning").inc,
+                max_bytes=settings.planning_relay_max_bytes,
             ),
         )
         return services

@@ -80,3 +80,8 @@ class ControlPlaneSettings(BaseSettings):
     # Versions whose claim and index the control plane keeps to hand out with fetch plans
     # (controlplane/planning_files.py); 0: engines read them from the store themselves.
     planning_copies: int = Field(default=64, ge=0)
+    # The most bytes of claims and indexes one fetch plan carries (the version's own, then
+    # earlier ones, oldest first, while they fit). A version whose own exceed it is not
+    # relayed at all: a model of ~100k tensors has an index of megabytes, which a fleet
+    # reads from the store (built to serve bytes to many) rather than through this process.
+    planning_relay_max_bytes: int = Field(default=1 << 20, ge=0)

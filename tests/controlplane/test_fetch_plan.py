@@ -428,3 +428,38 @@ def test_a_plan_carries_the_claims_and_indexes_of_the_versions_since_the_engines
     assert plan("&since=0")["planning"] == {"claim": written[3][0], "index": written[3][1]}
     bad = api.call("GET", f"/v1/engines/{behind}/fetch-plan?version=3&since=-1", "engine")
     assert bad.status_code == 422 and "since" in bad.text
+
+
+def test_a_plan_carries_no_more_claim_and_index_bytes_than_its_limit(
+    make_api: Callable[..., Api], sqlite_url: str
+) -> None:
+    """A model of ~100k tensors has an index of megabytes: relayed to a whole fleet through
+    the control plane, several versions at a time, it would be gigabytes from one process.
+    A plan carries the version's own, then earlier ones oldest first, while they fit; a
+    version whose own do not fit is not relayed at all (the engines read the store)."""
+    first = make_api(sqlite_url)
+    first.create_run("big")
+    sizes = {}
+    for version in (1, 2, 3):
+        first.publish("big", version)
+        sizes[version] = sum(len(text) for text in write_claim(first.store_root, "big", version))
+    first.register("big", 3)
+    behind = first.register("big", 0, sync_state="syncing")
+
+    def plan(limit: int) -> dict:
+        """The plan from a replica (same database and store) relaying at most `limit`."""
+        api = make_api(sqlite_url, planning_relay_max_bytes=limit)
+        api.settle()
+        path = f"/v1/engines/{behind}/fetch-plan?version=3&planning=true&since=0"
+        reply = api.call("GET", path, "engine")
+        assert reply.status_code == 200, reply.text
+        return reply.json()
+
+    everything = sizes[1] + sizes[2] + sizes[3]
+    assert [e["version"] for e in plan(everything)["earlier"]] == [1, 2]
+    short = plan(everything - 1)
+    assert [e["version"] for e in short["earlier"]] == [1]
+    assert "planning" in short
+    own_only = plan(sizes[3] + sizes[1] - 1)
+    assert "planning" in own_only and "earlier" not in own_only
+    assert "planning" not in plan(sizes[3] - 1)
