@@ -1,10 +1,11 @@
 """The control plane's routes for peer-assisted fetch (docs/peers.md).
 
-- `GET /v1/engines/{engine_id}/fetch-plan?version=V[&planning=true][&lanes=true][&since=S]`
-  (engine role): the peers this engine should ask for the files of version V, nearest
-  first; the store comes after them; with `planning`, V's claim and index when the plan
-  names peers, and with `since` those of the versions between S and V too; with `lanes`,
-  the peers of each of the trees V's files are dealt out to.
+- `GET /v1/engines/{engine_id}/fetch-plan?version=V[&planning=true][&lanes=true][&since=S]
+  [&version_lanes=true]` (engine role): the peers this engine should ask for the files of
+  version V, nearest first; the store comes after them; with `planning`, V's claim and
+  index when the plan names peers, and with `since` those of the versions between S and V
+  too; with `lanes`, the peers of each of the trees V's files are dealt out to, and with
+  `version_lanes` (and `since`) those of each version between, for that version's files.
 - `POST /v1/engines/{engine_id}/peer-reports` (engine role): a peer served bad bytes,
   failed or stalled; it is left out of plans for `peer_suspect_s` and counted.
 - `GET /v1/tokens/self` (any role): the caller's role, so an agent can check that a peer
@@ -36,12 +37,19 @@ from wire.peers import (
     PeerReport,
     PlanningFiles,
     TokenIdentity,
+    VersionLanes,
 )
 
 # How long a plan request from an engine the fleet snapshot does not list yet (one that
 # registered a moment ago) waits for a read that lists it (`Fleet.listing`); reads come
 # within ~0.1 s of a registration.
 PLAN_SNAPSHOT_WAIT_S = 2.0
+
+
+def _earlier_versions(since: int, version: int) -> range:
+    """The versions after `since` and before `version` a plan speaks of (the last
+    `EARLIER_PLANNING_MAX`)."""
+    return range(max(since + 1, version - EARLIER_PLANNING_MAX), version)
 
 
 def _planning_bytes(files: PlanningFiles) -> int:
@@ -60,7 +68,7 @@ async def _earlier(
     version's index from the store: in a 1,000-engine cold start on slow links, v1's index
     1,539 times (2.5 kB each, ~520 s of the store's egress), queued ahead of the shards
     the roots of the fetch trees read there, so one lane never started."""
-    wanted = range(max(since + 1, version - EARLIER_PLANNING_MAX), version)
+    wanted = _earlier_versions(since, version)
     read = await asyncio.gather(*(cp.planning_files.get(store_url, run_id, v) for v in wanted))
     found = []
     for v, files in zip(wanted, read, strict=True):
@@ -109,22 +117,37 @@ def install(app: FastAPI, cp: Services, role: RoleDependency) -> None:
             description="the version the engine holds: with `planning`, also include the "
             "claim and index of the versions after it and before `version` (`earlier`)",
         ),
+        version_lanes: bool = Query(
+            False,
+            description="with `since` and `lanes`, also include the lanes of each version "
+            "after `since` and before `version` (`version_lanes`), for that version's files",
+        ),
         _: Role = Depends(role(ENGINE)),
     ) -> FetchPlan:
         """Peers to fetch `version`'s files from, nearest first; then the store."""
         run_id = await cp.fleet.engine_run(engine_id)
         snapshot = await cp.fleet.listing(engine_id, PLAN_SNAPSHOT_WAIT_S)
-        plan = plan_fetch(
-            snapshot,
-            engine_id,
-            run_id,
-            version,
-            fanout=settings.peer_fanout,
-            plan_size=settings.peer_plan_size,
-            suspects=cp.suspects.current(),
-        )
+        suspects = cp.suspects.current()
+
+        def plan_of(v: int) -> FetchPlan:
+            return plan_fetch(
+                snapshot,
+                engine_id,
+                run_id,
+                v,
+                fanout=settings.peer_fanout,
+                plan_size=settings.peer_plan_size,
+                suspects=suspects,
+            )
+
+        plan = plan_of(version)
         if not lanes:
             plan.lanes = None
+        elif version_lanes and since is not None and since + 1 < version:
+            plan.version_lanes = [
+                VersionLanes(version=v, lanes=plan_of(v).lanes or [])
+                for v in _earlier_versions(since, version)
+            ]
         cp.metrics.fetch_plans.labels("yes" if plan.peers else "no").inc()
         run = snapshot.runs.get(run_id)
         # Only with peers: an engine told to read the store (the tree's root, a lone

@@ -177,10 +177,10 @@ class ControlClient:
     async def fetch_plan(self, engine_id: str, version: int, since: int | None = None) -> FetchPlan:
         """The peers to fetch `version`'s files from, in lanes, with the version's claim and
         index when the control plane has them, and (`since`: the version the engine holds)
-        those of the versions between (docs/peers.md)."""
+        those of the versions between, and their own lanes (docs/peers.md)."""
         params: dict[str, Any] = {"version": version, "planning": "true", "lanes": "true"}
         if since is not None:
-            params["since"] = since
+            params.update(since=since, version_lanes="true")
         reply = await self._call(
             "GET", f"/v1/engines/{engine_id}/fetch-plan", FetchPlan, params=params
         )

@@ -130,7 +130,9 @@ class PeerFetch:
     async def sources(self, version: int) -> SourcedFetch:
         """The sources to try for `version`'s files, in order (possibly none)."""
         found = await self._find(version, await self._plan(version))
-        return self._opened(SourcedFetch(found.rest, lanes=found.lanes))
+        return self._opened(
+            SourcedFetch(found.rest, lanes=found.lanes, by_version=found.by_version)
+        )
 
     def begin(self, version: int, since: int | None = None) -> SourcedFetch:
         """`sources` without waiting: the fetch plan is asked for while the pass plans its
@@ -260,7 +262,13 @@ class PeerFetch:
         if self.client is None:
             self.client = await asyncio.to_thread(open_client)
         if plan is not None:
-            found.lanes = self._lanes(plan.lanes or [plan.peers])
+            by_url: dict[str, FetchSource] = {}
+            found.lanes = self._lanes(plan.lanes or [plan.peers], by_url)
+            found.by_version = {
+                each.version: self._lanes(each.lanes, by_url)
+                for each in plan.version_lanes or []
+                if each.version < version
+            }
             if any(found.lanes):
                 log.info(
                     "v%d: fetch plan %s, then the store",
@@ -275,10 +283,11 @@ class PeerFetch:
         ]
         return found
 
-    def _lanes(self, lanes: list[list[PeerSource]]) -> list[list[FetchSource]]:
-        """One source per peer, however many lanes name it (a peer dropped for bad bytes in
-        one lane is dropped in all)."""
-        by_url: dict[str, FetchSource] = {}
+    def _lanes(
+        self, lanes: list[list[PeerSource]], by_url: dict[str, FetchSource]
+    ) -> list[list[FetchSource]]:
+        """One source per peer (`by_url`, shared by every version's lanes), however many
+        lanes name it (a peer dropped for bad bytes in one lane is dropped in all)."""
         for lane in lanes:
             for peer in lane:
                 if peer.url != self.own_url and peer.url not in by_url:

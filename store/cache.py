@@ -304,7 +304,10 @@ class VersionFiles(Mapping[str, bytes]):
     ) -> bytes:
         held = Held()
         if self.sources is not None and expected is not None:
-            data = self.sources.fetch(key, expected, attempts, lane=self._place[name], held=held)
+            data = self.sources.fetch(
+                key, expected, attempts, lane=self._place[name], held=held,
+                version=self.ref.version,
+            )  # fmt: skip
             if data is not None:
                 return data
         try:

@@ -45,6 +45,14 @@ class EarlierPlanning(PlanningFiles):
     version: int
 
 
+class VersionLanes(TetherModel):
+    """An engine's ancestors in each lane of the trees of one earlier version of its chain
+    (`FetchPlan.version_lanes`)."""
+
+    version: int
+    lanes: list[list[PeerSource]]
+
+
 class FetchPlan(TetherModel):
     """Where an engine catching up to `version` gets its files: `peers` in order, then the
     store (always last, always there). An empty list means: the store only. `planning`:
@@ -60,13 +68,22 @@ class FetchPlan(TetherModel):
     the files the version's claim records, sorted by name) is asked of `lanes[i %
     len(lanes)]` only, then of the store, so every engine uploads about as much as it
     downloads and receives its files from several parents at once. `peers` is `lanes[0]`
-    (what an agent that does not know lanes follows for every file)."""
+    (what an agent that does not know lanes follows for every file).
+
+    `version_lanes` (only for an agent that asks with `since=S` and `version_lanes`): the
+    lanes of each version after S and before `version` (at most `EARLIER_PLANNING_MAX`), as
+    its own plan would give them. A file of an earlier version is asked of that version's
+    lanes: every engine fetching it, whatever version its pass heads for, then orders its
+    peers by the same trees, so no two wait on each other for it (in the target's trees an
+    engine registered between two publications can rank above one it ranks below in the
+    earlier version's)."""
 
     version: int
     peers: list[PeerSource] = Field(default_factory=list)
     planning: PlanningFiles | None = None
     lanes: list[list[PeerSource]] | None = None
     earlier: list[EarlierPlanning] | None = None
+    version_lanes: list[VersionLanes] | None = None
 
 
 # The most earlier versions' claim and index one plan carries (`FetchPlan.earlier`): a

@@ -87,16 +87,20 @@ class Held:
 @dataclass
 class FoundSources:
     """Where one fetch's files may come from, before the origin: the sources of each lane
-    (nearest first; a file goes to lane `i % len(lanes)`) and those every file may try
-    after its lane's."""
+    (nearest first; a file goes to lane `i % len(lanes)`), other lanes for the files of
+    some versions (`by_version`: an earlier version of the chain, laid out by its own
+    trees), and those every file may try after its lane's."""
 
     lanes: list[list[FetchSource]] = field(default_factory=list)
     rest: list[FetchSource] = field(default_factory=list)
+    by_version: dict[int, list[list[FetchSource]]] = field(default_factory=dict)
 
     def in_order(self) -> list[FetchSource]:
-        """Every source once: the lanes' in lane order, then the rest."""
+        """Every source once: the lanes' in lane order (the target's, then each version's),
+        then the rest."""
         seen: list[FetchSource] = []
-        for source in [*(s for lane in self.lanes for s in lane), *self.rest]:
+        laned = [self.lanes, *self.by_version.values()]
+        for source in [*(s for lanes in laned for lane in lanes for s in lane), *self.rest]:
             if source not in seen:
                 seen.append(source)
         return seen
@@ -112,10 +116,13 @@ class SourcedFetch:
         first: concurrent.futures.Future[FoundSources] | None = None,
         first_wait_s: float = 30.0,
         lanes: list[list[FetchSource]] | None = None,
+        by_version: dict[int, list[list[FetchSource]]] | None = None,
     ) -> None:
         found = FoundSources(lanes=list(lanes or []), rest=list(sources))
+        found.by_version = dict(by_version or {})
         self._sources = found.in_order()
         self._lanes = found.lanes
+        self._by_version = found.by_version
         # Sources to try before `sources`, still being found (a fetch plan being asked for
         # while the reader plans from the store); waited for at first use.
         self._first = first
@@ -153,6 +160,7 @@ class SourcedFetch:
                     )
                 else:
                     self._lanes = found.lanes + self._lanes
+                    self._by_version = {**found.by_version, **self._by_version}
                     self._sources[:0] = [s for s in found.in_order() if s not in self._sources]
             return self._sources
 
@@ -162,16 +170,22 @@ class SourcedFetch:
         self.sources  # noqa: B018 (the lanes are known once the sources are)
         return len(self._lanes)
 
-    def order(self, lane: int | None = None) -> list[FetchSource]:
-        """The sources still in use for a file of lane `lane`: that lane's, then those of no
+    def order(self, lane: int | None = None, version: int | None = None) -> list[FetchSource]:
+        """The sources still in use for a file of lane `lane` (of `version`: that version's
+        lanes where the fetch has them, else the target's): that lane's, then those of no
         lane. Never another lane's: in its lane, a peer of this engine's plan may be a
         descendant, waiting for this very file from this engine."""
         with self._lock:
             sources = list(self.sources)
-            if lane is None or not self._lanes:
+            lanes = self._by_version.get(version, self._lanes) if version is not None else []
+            lanes = lanes or self._lanes
+            if lane is None or not lanes:
                 return sources
-            in_lanes = {s for peers in self._lanes for s in peers}
-            mine = self._lanes[lane % len(self._lanes)]
+            in_lanes = {
+                s for each in [self._lanes, *self._by_version.values()] for peers in each
+                for s in peers
+            }  # fmt: skip
+            mine = lanes[lane % len(lanes)]
             return [s for s in sources if s in mine or s not in in_lanes]
 
     def fetch(
@@ -181,9 +195,11 @@ class SourcedFetch:
         attempts: Attempts | None = None,
         lane: int | None = None,
         held: Held | None = None,
+        version: int | None = None,
     ) -> bytes | None:
         """The bytes of `key` from the first sources that deliver them intact, or None.
-        `lane`: the file's place among the version's files (its lane's sources go first).
+        `lane`: the file's place among the version's files (its lane's sources go first);
+        `version`: the version it belongs to (whose own lanes, if given, are used).
 
         A source that fails mid-file keeps what it delivered: the next one is asked for the
         rest, from that offset, into the same attempt, so readers forwarding the file read
@@ -199,7 +215,7 @@ class SourcedFetch:
         bytes received so far, for the caller to continue from (the origin)."""
         held = held if held is not None else Held()
         held.clear()
-        for source in self.order(lane):
+        for source in self.order(lane, version):
             sink = attempts.sink() if attempts is not None else None
             start = held.size
 

@@ -463,3 +463,67 @@ def test_a_plan_carries_no_more_claim_and_index_bytes_than_its_limit(
     own_only = plan(sizes[3] + sizes[1] - 1)
     assert "planning" in own_only and "earlier" not in own_only
     assert "planning" not in plan(sizes[3] - 1)
+
+
+def test_an_earlier_versions_trees_can_rank_two_engines_the_other_way_round() -> None:
+    """Engines registered before v1 was published are laid out by place in both versions'
+    trees; one registered between v1 and v2 is a late leaf in v1's and placed by place in
+    v2's. So in some lane an early engine can be the ancestor of a middle one for v1 and
+    its descendant for v2: fetching v1's file of that lane, the early engine heading for
+    v2 (by v2's plan) and the middle one heading for v1 (by v1's) each waited on the
+    other. Fetched by v1's own trees (`version_lanes`), no two engines wait on each other."""
+    run = f"between-{uuid.uuid4().hex[:8]}"
+    t0 = time.time()
+
+    def joined(name: str, registered_at: float) -> EngineView:
+        return view(name, 0, run_id=run, lease_expires_at=t0 + 600, registered_at=registered_at)
+
+    early = [joined(f"early-{i:02d}", t0 - 10 - i) for i in range(10)]
+    middle = [joined(f"middle-{i:02d}", t0 + 10 + i) for i in range(10)]
+    FleetSnapshot.build(t0, early, [RunView(run, 1, t0, TargetPolicy())], {})  # v1 published
+    snap = FleetSnapshot.build(
+        t0 + 200, early + middle, [RunView(run, 2, t0 + 100, TargetPolicy())], {}
+    )
+
+    def ancestors(engine_id: str, version: int) -> list[set[str]]:
+        plan = plan_fetch(snap, engine_id, run, version, fanout=2, plan_size=3)
+        return [{p.engine_id for p in lane} for lane in plan.lanes or []]
+
+    crossed = [
+        (e.engine_id, m.engine_id, lane)
+        for e in early
+        for m in middle
+        for lane in range(2)
+        if m.engine_id in ancestors(e.engine_id, 2)[lane]
+        and e.engine_id in ancestors(m.engine_id, 1)[lane]
+    ]
+    assert crossed, "the layouts of v1 and v2 agree here: the case is not exercised"
+    everyone = [e.engine_id for e in early + middle]
+    for lane in range(2):
+        for a, b in itertools.combinations(everyone, 2):
+            assert not (a in ancestors(b, 1)[lane] and b in ancestors(a, 1)[lane])
+
+
+def test_a_plan_asked_with_since_carries_each_earlier_versions_own_lanes(
+    make_api: Callable[..., Api], sqlite_url: str
+) -> None:
+    api = make_api(sqlite_url)
+    api.create_run("laned")
+    for version in (1, 2, 3):
+        api.publish("laned", version)
+    api.register("laned", 3)
+    behind = [api.register("laned", 0, sync_state="syncing") for _ in range(4)]
+    api.settle()
+
+    def plan(version: int, query: str = "") -> dict:
+        path = f"/v1/engines/{behind[-1]}/fetch-plan?version={version}&lanes=true{query}"
+        reply = api.call("GET", path, "engine")
+        assert reply.status_code == 200, reply.text
+        return reply.json()
+
+    found = plan(3, "&since=0&version_lanes=true")["version_lanes"]
+    assert [each["version"] for each in found] == [1, 2]
+    assert [each["lanes"] for each in found] == [plan(1)["lanes"], plan(2)["lanes"]]
+    # Not asked for (an older agent), or no version between: no such field.
+    assert "version_lanes" not in plan(3, "&since=0")
+    assert "version_lanes" not in plan(3, "&since=2&version_lanes=true")

@@ -53,6 +53,7 @@ from wire.peers import (
     FetchPlan,
     PeerSource,
     PlanningFiles,
+    VersionLanes,
 )
 
 RUN = "peer-run"
@@ -423,7 +424,7 @@ def test_the_agents_rate_floor_reaches_every_http_source_it_builds(
         status=AgentStatus(), configured=["http://127.0.0.1:9/a"], min_bytes_per_s=2048,
     )  # fmt: skip
     sourced = asyncio.run(fetch.sources(1))
-    peers = [s for lane in fetch._lanes([[peer("p", 1)]]) for s in lane]
+    peers = [s for lane in fetch._lanes([[peer("p", 1)]], {}) for s in lane]
     built = [s for s in [*sourced.sources, *peers] if isinstance(s, HttpSource)]
     assert [s.kind for s in built] == ["http", "peer"]
     assert all(s.min_bytes_per_s == 2048 for s in built)
@@ -598,3 +599,49 @@ def test_the_claims_and_indexes_of_earlier_versions_in_a_plan_are_checked_one_by
     # The materialized chain from those copies is the store's.
     _, relayed = fetch_with_plan(plan(2, (1, files(1))))
     assert same_tensors(store.materialize(RUN, 2, relayed=relayed), store.materialize(RUN, 2))
+
+
+def test_a_file_of_an_earlier_version_is_asked_of_that_versions_own_lanes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # In the target's trees an engine registered between two publications can rank above
+    # one it ranks below in the earlier version's; each fetching the earlier version's
+    # file by its own pass's plan, the two waited on each other until a timeout.
+    fetch = PeerFetch(
+        control=None, engine_id=lambda: "e", own_url="http://me:1", token=None,
+        status=AgentStatus(), configured=[],
+    )  # fmt: skip
+    plan = FetchPlan(
+        version=3,
+        peers=[peer("a", 2)],
+        lanes=[[peer("a", 2)], [peer("b", 2)]],
+        version_lanes=[
+            VersionLanes(version=2, lanes=[[peer("b", 1), peer("c", 1)], []]),
+            VersionLanes(version=4, lanes=[[peer("d", 3)], [peer("d", 3)]]),  # not of this chain
+        ],
+    )
+
+    async def planned(version: int, since: int | None = None) -> FetchPlan:
+        return plan
+
+    monkeypatch.setattr(fetch, "_plan", planned)
+
+    async def one_pass() -> dict[int | None, list[list[str]]]:
+        sourced = fetch.begin(3, since=1)
+        orders = await asyncio.to_thread(
+            lambda: {
+                version: [
+                    [s.location.removesuffix(PEER_FILES_PATH) for s in sourced.order(lane, version)]
+                    for lane in range(2)
+                ]
+                for version in (None, 1, 2, 3)
+            }
+        )
+        sourced.close()
+        return orders
+
+    orders = asyncio.run(one_pass())
+    assert orders[3] == orders[None] == orders[1] == [["http://a:1"], ["http://b:1"]]
+    # v2's lane 1 is the store's alone: none of the target's peers, whose trees differ.
+    assert orders[2] == [["http://b:1", "http://c:1"], []]
+    fetch.close()

@@ -381,6 +381,21 @@ def test_each_file_is_asked_of_its_lanes_source_first_and_files_arrive_side_by_s
     assert laned.order(lane=3) == [http, cache]
     laned._drop(http, "k", "error", "gone")
     assert laned.order(lane=1) == [cache]
+    # An earlier version's files follow that version's own lanes where the fetch has them
+    # (its trees may rank this engine's peers otherwise); the other versions the target's.
+    http_again = HttpSource(http_mirror)
+    swapped = {1: [[HttpSource(http_mirror)], [mirror]]}
+    by_version = SourcedFetch([], lanes=[[mirror], [http_again]], by_version=swapped)
+    assert same_tensors(store.materialize(RUN, 2, sources=by_version), history[2])
+    expected = {"objects": 0, "http": 0}
+    for version in (0, 1, 2):
+        for place, (_, digest) in enumerate(
+            sorted(store.file_digests(VersionRef(RUN, version)).items())
+        ):
+            expected["objects" if (place % 2 == 0) != (version == 1) else "http"] += digest.size
+    assert dict(by_version.bytes_from) == expected
+    assert by_version.order(lane=0, version=1) == swapped[1][0]
+    assert by_version.order(lane=1, version=2) == [http_again]
 
 
 def test_a_source_unavailable_for_one_file_is_kept_for_the_others_once(
