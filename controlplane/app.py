@@ -9,7 +9,6 @@ translates HTTP to calls and back. Never imports torch.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from typing import Any
@@ -31,8 +30,6 @@ from controlplane.auth import (
     ensure_admin_token,
     mint_token,
 )
-from controlplane.draining import CHECK_INTERVAL_S as DRAIN_CHECK_S
-from controlplane.draining import draining
 from controlplane.errors import (
     ERROR_RESPONSES,
     ApiError,
@@ -42,8 +39,8 @@ from controlplane.errors import (
     RunUnknown,
     install_handlers,
 )
-from controlplane.fleet import STALE_AFTER_S
 from controlplane.hotpath import ControlPlaneApp, HotLane, HotPath
+from controlplane.long_poll import long_poll, wait_for_target
 from controlplane.middleware import BodyLimit, RequestMetrics
 from controlplane.outage import install_outage_handlers
 from controlplane.pointer import confirm_published
@@ -148,22 +145,6 @@ def _engine_info(row: Any, target: int | None) -> EngineInfo:
         lease_expires_at=row.lease_expires_at,
         target_version=target,
     )
-
-
-async def _long_poll(
-    check: Callable[[], Coroutine[Any, Any, Any]],
-    wait: Callable[[float], Coroutine[Any, Any, None]],
-    timeout: float,
-) -> Any:
-    """Call `check` until it returns something not None or `timeout` passes, or the server
-    begins to shut down (the caller then answers as on a timeout)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        found = await check()
-        left = deadline - time.monotonic()
-        if found is not None or left <= 0 or draining():
-            return found
-        await wait(min(left, DRAIN_CHECK_S))
 
 
 def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:
@@ -358,7 +339,7 @@ def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:
             except TimeoutError:
                 return
 
-        found = await _long_poll(check, wait, min(timeout, settings.max_long_poll_s))
+        found = await long_poll(check, wait, min(timeout, settings.max_long_poll_s))
         return VersionList(versions=found or [])
 
     # ------------------------------------------------------------------ engines
@@ -415,27 +396,11 @@ def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:
         timeout: float = Query(30.0, ge=0, description="seconds to wait at most"),
         _: Role = Depends(role(ENGINE)),
     ) -> TargetReply:
-        arrived = time.time()
-        run_id = await cp.fleet.engine_run(engine_id)
+        """Wait (at most `timeout` s) for the engine's target to differ from `after`.
 
-        async def check() -> int | None:
-            snap = cp.fleet.snapshot
-            if engine_id not in snap.engines and snap.read_at < time.time() - STALE_AFTER_S:
-                return None
-            target = snap.target_for(engine_id, run_id)
-            return target if target is not None and target != after else None
-
-        found = await _long_poll(
-            check, cp.fleet.wait_changed, min(timeout, settings.max_long_poll_s)
-        )
-        if found is None:
-            return TargetReply(target_version=after, changed=False)
-        run = cp.fleet.snapshot.runs.get(run_id)
-        if run is not None and run.latest_version == found and run.latest_published_at:
-            # This process's part of the wake-up: from when it could first have answered.
-            waited_from = max(arrived, run.latest_published_at)
-            cp.metrics.target_wake.observe(max(0.0, time.time() - waited_from))
-        return TargetReply(target_version=found, changed=True)
+        Served by `controlplane/hotpath.py` (same roles and answers); declared here for
+        the OpenAPI document."""
+        return await wait_for_target(cp, engine_id, after, timeout)
 
     @app.delete("/v1/engines/{engine_id}", status_code=204, tags=["engines"])
     def deregister_engine(engine_id: str, owner: str | None = Depends(engine_owner)) -> Response:

@@ -1,12 +1,13 @@
 """The hot routes answered without FastAPI's per-request machinery.
 
-Owns the fast lane for the router's three generate routes and the engine heartbeat: they
-are matched by method and path before FastAPI sees the request (`ControlPlaneApp`, or
-the served process's own exchange, `hot_exchange.py`, before any ASGI cycle) and served
-under the same body limit and request metrics, with the same roles, validation, error
-shape and metrics labels as the FastAPI routes of the same paths, which stay declared for
-OpenAPI and /docs and call the same code (`Proxy.handle`, `Heartbeats.answer`).
-Everything else goes to FastAPI. Never does database work on the generate path.
+Owns the fast lane for the router's three generate routes, the engine heartbeat and the
+engine's target long-poll: they are matched by method and path before FastAPI sees the
+request (`ControlPlaneApp`, or for the POSTs the served process's own exchange,
+`hot_exchange.py`, before any ASGI cycle) and served under the same body limit and
+request metrics, with the same roles, validation, error shape and metrics labels as the
+FastAPI routes of the same paths, which stay declared for OpenAPI and /docs and call the
+same code (`Proxy.handle`, `Heartbeats.answer`, `long_poll.wait_for_target`). Everything
+else goes to FastAPI. Never does database work on the generate path.
 """
 
 from __future__ import annotations
@@ -17,19 +18,21 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
+from urllib.parse import parse_qsl
 
 import orjson
 from fastapi import FastAPI
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from controlplane.auth import CALLERS, ENGINE
 from controlplane.errors import ApiError, InternalError, InvalidRequest, error_response, field_path
+from controlplane.long_poll import wait_for_target
 from controlplane.middleware import BodyLimit, RequestMetrics
 from controlplane.outage import DATABASE_ERRORS, is_database_down
-from wire import Heartbeat, Role
+from wire import MAX_INT, Heartbeat, Role
 
 if TYPE_CHECKING:
     from controlplane.services import Services
@@ -42,6 +45,7 @@ GENERATE_ROUTES = {
     "/v1/chat/completions": "chat",
 }
 HEARTBEAT_PATH = re.compile(r"^/v1/engines/([^/]+)/heartbeat$")
+TARGET_PATH = re.compile(r"^/v1/engines/([^/]+)/target$")
 JSON_HEADERS = [(b"content-type", b"application/json")]
 
 
@@ -53,14 +57,23 @@ class RouteTemplate:
 
 
 HEARTBEAT_ROUTE = RouteTemplate("/v1/engines/{engine_id}/heartbeat")
+TARGET_ROUTE = RouteTemplate("/v1/engines/{engine_id}/target")
 
 
-def invalid_body(exc: ValidationError) -> InvalidRequest:
-    """The same answer FastAPI's validation handler gives for a bad JSON body."""
+class TargetQuery(BaseModel):
+    """The target long-poll's query, with the bounds of the FastAPI route's `Query`s."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    after: int | None = Field(default=None, ge=0, le=MAX_INT)
+    timeout: float = Field(default=30.0, ge=0)
+
+
+def invalid_body(exc: ValidationError, where: str = "body") -> InvalidRequest:
+    """The same answer FastAPI's validation handler gives for a bad JSON body (or, with
+    `where="query"`, bad query parameters)."""
     errors = exc.errors()
-    problems = [
-        {"field": field_path(("body", *e["loc"])), "message": str(e["msg"])} for e in errors
-    ]
+    problems = [{"field": field_path((where, *e["loc"])), "message": str(e["msg"])} for e in errors]
     first = problems[0]
     return InvalidRequest(
         f"{first['field']}: {first['message']}", field=first["field"], problems=problems
@@ -96,7 +109,7 @@ class HotRoute:
 
     template: RouteTemplate
     allowed: frozenset[Role]
-    handler: Callable[[bytes, dict[str, str], str, Role], Awaitable[Response]]
+    handler: Callable[[bytes, dict[str, str], str, Role, bytes], Awaitable[Response]]
     arg: str
 
 
@@ -116,6 +129,11 @@ class HotPath:
 
     def match(self, method: str, path: str) -> HotRoute | None:
         """The hot route of a request, or None for a request FastAPI serves."""
+        if method == "GET":
+            found = TARGET_PATH.match(path)
+            if found is None:
+                return None
+            return HotRoute(TARGET_ROUTE, ENGINE, self._target, found.group(1))
         if method != "POST":
             return None
         route = self.generate_routes.get(path)
@@ -141,7 +159,11 @@ class HotPath:
         # Lower-case names; a repeated header keeps its last value (none of ours repeat).
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         response = await self.respond(
-            scope["tether.hot"], scope["path"], headers, partial(read_body, receive)
+            scope["tether.hot"],
+            scope["path"],
+            headers,
+            partial(read_body, receive),
+            scope.get("query_string", b""),
         )
         await response(scope, receive, send)
 
@@ -151,13 +173,14 @@ class HotPath:
         path: str,
         headers: dict[str, str],
         body: Callable[[], Awaitable[bytes]],
+        query: bytes = b"",
     ) -> Response:
         """The answer to a hot request: its caller's role is checked before `body` is read."""
         try:
             found = await self.cp.tokens.role_of(headers.get("authorization"))
             role = self.cp.tokens.check(found, route.allowed)
             raw = await body()
-            return await route.handler(raw, headers, route.arg, role)
+            return await route.handler(raw, headers, route.arg, role, query)
         except ApiError as exc:
             return error_response(exc)
         except ClientDisconnect:
@@ -174,17 +197,29 @@ class HotPath:
             return error_response(InternalError("internal error; see the server log"))
 
     async def _generate(
-        self, raw: bytes, headers: dict[str, str], kind: str, _role: Role
+        self, raw: bytes, headers: dict[str, str], kind: str, _role: Role, _query: bytes
     ) -> Response:
         assert self.cp.proxy is not None
         return await self.cp.proxy.handle(kind, raw, headers)
 
     async def _heartbeat(
-        self, raw: bytes, headers: dict[str, str], engine_id: str, role: Role
+        self, raw: bytes, headers: dict[str, str], engine_id: str, role: Role, _query: bytes
     ) -> Response:
         owner = self.cp.tokens.owner_key(headers.get("authorization"), role)
         reply = await self.cp.heartbeats.answer(engine_id, parse_heartbeat(raw), owner)
         return Response(reply, media_type="application/json")
+
+    async def _target(
+        self, _raw: bytes, _headers: dict[str, str], engine_id: str, _role: Role, query: bytes
+    ) -> Response:
+        # The last of a repeated parameter, as FastAPI takes it.
+        params = dict(parse_qsl(query.decode("latin-1"), keep_blank_values=True))
+        try:
+            asked = TargetQuery.model_validate(params)
+        except ValidationError as exc:
+            raise invalid_body(exc, "query") from exc
+        reply = await wait_for_target(self.cp, engine_id, asked.after, asked.timeout)
+        return Response(reply.model_dump_json(), media_type="application/json")
 
 
 @dataclass(frozen=True)

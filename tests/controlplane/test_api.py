@@ -173,3 +173,50 @@ def test_ops_endpoints_answer_without_a_token(any_db_api: Api) -> None:
     assert metrics.status_code == 200
     assert b"tether_requests_total" in metrics.content
     assert client.get("/openapi.json").json()["info"]["title"] == "Tether control plane"
+
+
+def test_the_target_long_poll_answers_alike_on_the_hot_lane_and_through_fastapi(api: Api) -> None:
+    """A publication answers every parked target long-poll of a fleet at once; the hot
+    lane serves them without FastAPI's per-request machinery, with the same answers, for
+    every outcome, as the FastAPI route declared for OpenAPI."""
+    app = api.client.app
+    lane = app.hot_lane
+    assert lane is not None
+    assert lane.path.match("GET", "/v1/engines/e-1/target") is not None
+    assert lane.path.match("GET", "/v1/engines/e-1") is None
+    assert lane.path.match("POST", "/v1/engines/e-1/target") is None
+    api.create_run("poll")
+    api.publish("poll", 1)
+    engine_id = api.register("poll", 1)
+    api.settle()
+    asks = [
+        (f"/v1/engines/{engine_id}/target?after=0&timeout=5", "engine"),
+        (f"/v1/engines/{engine_id}/target?after=1&timeout=0.1", "engine"),
+        (f"/v1/engines/{engine_id}/target?timeout=0", "engine"),
+        (f"/v1/engines/{engine_id}/target?after=-1", "engine"),
+        (f"/v1/engines/{engine_id}/target?after=1&timeout=soon", "engine"),
+        (f"/v1/engines/{engine_id}/target?after=1&after=0&timeout=1", "engine"),
+        ("/v1/engines/nobody/target?after=1&timeout=0", "engine"),
+        (f"/v1/engines/{engine_id}/target?after=1&timeout=0", "client"),
+        (f"/v1/engines/{engine_id}/target?after=1&timeout=0", "none"),
+    ]
+
+    def answers() -> list[tuple[int, object]]:
+        found = []
+        for path, role in asks:
+            reply = api.client.get(path) if role == "none" else api.call("GET", path, role)
+            found.append((reply.status_code, reply.json()))
+        return found
+
+    hot = answers()
+    app.hot_lane = None  # every request through FastAPI
+    try:
+        routed = answers()
+    finally:
+        app.hot_lane = lane
+    assert hot == routed
+    assert [status for status, _ in hot] == [200, 200, 200, 422, 422, 200, 404, 403, 401]
+    assert hot[0][1] == {"target_version": 1, "changed": True}
+    assert hot[1][1] == {"target_version": 1, "changed": False}
+    assert hot[3][1]["error"]["field"] == "query.after"
+    assert hot[4][1]["error"]["field"] == "query.timeout"
