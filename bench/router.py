@@ -88,7 +88,9 @@ def _cpu_seconds(pid: int) -> float:
     return total
 
 
-def _publish(store: Path, cp: str, run_id: str, version: int) -> None:
+def _publish(store: Path, cp: str, run_id: str, version: int, new_run: bool = True) -> None:
+    """Lay out `version` of `run_id` in the store and record it (creating the run first
+    unless `new_run` is False)."""
     import httpx
 
     name = f"weight_v{version:06d}"
@@ -97,7 +99,8 @@ def _publish(store: Path, cp: str, run_id: str, version: int) -> None:
     (folder / "model.safetensors.index.json").write_text('{"metadata": {}, "weight_map": {}}')
     (store / run_id / "latest").write_text(f"{run_id}/{name}")
     headers = {"Authorization": f"Bearer {ADMIN}"}
-    httpx.post(f"{cp}/v1/runs", json={"run_id": run_id}, headers=headers).raise_for_status()
+    if new_run:
+        httpx.post(f"{cp}/v1/runs", json={"run_id": run_id}, headers=headers).raise_for_status()
     httpx.post(
         f"{cp}/v1/runs/{run_id}/versions", json={"version": version}, headers=headers
     ).raise_for_status()

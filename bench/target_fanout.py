@@ -46,21 +46,6 @@ async def _park(
     return reader, writer
 
 
-def _publish_next(store: Path, cp_url: str, version: int) -> None:
-    """Lay out `version` of the run and record it (the run exists)."""
-    name = f"weight_v{version:06d}"
-    folder = store / RUN / "updates" / name
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "model.safetensors.index.json").write_text('{"metadata": {}, "weight_map": {}}')
-    (store / RUN / "latest").write_text(f"{RUN}/{name}")
-    reply = httpx.post(
-        f"{cp_url}/v1/runs/{RUN}/versions",
-        json={"version": version},
-        headers={"Authorization": f"Bearer {ADMIN}"},
-    )
-    reply.raise_for_status()
-
-
 async def _answer(reader: asyncio.StreamReader) -> tuple[float, bytes]:
     """(arrival time, body) of one HTTP/1.1 answer with a Content-Length."""
     head = await reader.readuntil(b"\r\n\r\n")
@@ -84,7 +69,7 @@ async def _round(
     await asyncio.sleep(0.5)
     cpu = _cpu_seconds(pid)
     started = time.perf_counter()
-    await asyncio.to_thread(_publish_next, store, cp_url, version)
+    await asyncio.to_thread(_publish, store, cp_url, RUN, version, False)
     answers = await asyncio.gather(*(_answer(reader) for reader, _ in parked))
     ended = time.perf_counter()
     cpu = _cpu_seconds(pid) - cpu

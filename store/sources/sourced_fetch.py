@@ -95,12 +95,15 @@ class FoundSources:
     rest: list[FetchSource] = field(default_factory=list)
     by_version: dict[int, list[list[FetchSource]]] = field(default_factory=dict)
 
+    def laned(self) -> list[FetchSource]:
+        """The sources of every lane, in lane order: the target's, then each version's."""
+        every = [self.lanes, *self.by_version.values()]
+        return [s for lanes in every for lane in lanes for s in lane]
+
     def in_order(self) -> list[FetchSource]:
-        """Every source once: the lanes' in lane order (the target's, then each version's),
-        then the rest."""
+        """Every source once: the lanes' (`laned`), then the rest."""
         seen: list[FetchSource] = []
-        laned = [self.lanes, *self.by_version.values()]
-        for source in [*(s for lanes in laned for lane in lanes for s in lane), *self.rest]:
+        for source in [*self.laned(), *self.rest]:
             if source not in seen:
                 seen.append(source)
         return seen
@@ -118,11 +121,9 @@ class SourcedFetch:
         lanes: list[list[FetchSource]] | None = None,
         by_version: dict[int, list[list[FetchSource]]] | None = None,
     ) -> None:
-        found = FoundSources(lanes=list(lanes or []), rest=list(sources))
-        found.by_version = dict(by_version or {})
-        self._sources = found.in_order()
-        self._lanes = found.lanes
-        self._by_version = found.by_version
+        # Where the lanes come from (`rest` only at the start: `_sources` is the order).
+        self._found = FoundSources(list(lanes or []), list(sources), dict(by_version or {}))
+        self._sources = self._found.in_order()
         # Sources to try before `sources`, still being found (a fetch plan being asked for
         # while the reader plans from the store); waited for at first use.
         self._first = first
@@ -159,8 +160,8 @@ class SourcedFetch:
                         "no fetch sources (%s: %s); reading the store", type(exc).__name__, exc
                     )
                 else:
-                    self._lanes = found.lanes + self._lanes
-                    self._by_version = {**found.by_version, **self._by_version}
+                    self._found.lanes = found.lanes + self._found.lanes
+                    self._found.by_version = {**found.by_version, **self._found.by_version}
                     self._sources[:0] = [s for s in found.in_order() if s not in self._sources]
             return self._sources
 
@@ -168,7 +169,7 @@ class SourcedFetch:
     def lanes(self) -> int:
         """How many lanes the files are dealt out to (0: one order for every file)."""
         self.sources  # noqa: B018 (the lanes are known once the sources are)
-        return len(self._lanes)
+        return len(self._found.lanes)
 
     def order(self, lane: int | None = None, version: int | None = None) -> list[FetchSource]:
         """The sources still in use for a file of lane `lane` (of `version`: that version's
@@ -177,14 +178,11 @@ class SourcedFetch:
         descendant, waiting for this very file from this engine."""
         with self._lock:
             sources = list(self.sources)
-            lanes = self._by_version.get(version, self._lanes) if version is not None else []
-            lanes = lanes or self._lanes
+            own = self._found.by_version.get(version) if version is not None else None
+            lanes = own or self._found.lanes
             if lane is None or not lanes:
                 return sources
-            in_lanes = {
-                s for each in [self._lanes, *self._by_version.values()] for peers in each
-                for s in peers
-            }  # fmt: skip
+            in_lanes = set(self._found.laned())
             mine = lanes[lane % len(lanes)]
             return [s for s in sources if s in mine or s not in in_lanes]
 
