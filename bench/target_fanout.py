@@ -7,7 +7,8 @@ the publication request until each answer arrives (p50, p99, the last) and the c
 plane's CPU over that window, per answer. N engines are registered, each parks one
 long-poll on a keep-alive connection of its own (a bare HTTP/1.1 client, so the client's
 CPU stays small next to the server's on a shared machine), then a version is published;
-`--rounds` times. Prints one line per round and one JSON line. Never asserts; never used
+`--rounds` times. Also the control plane's CPU per second while the polls wait and nothing
+changes. Prints one line per round and one JSON line. Never asserts; never used
 outside `bench/`.
 
     python -m bench.target_fanout [--engines 1000] [--rounds 5]
@@ -32,6 +33,8 @@ from launcher.processes import ProcessGroup
 RUN = "fanout"
 # Long enough that no poll times out while the others are parked and the version published.
 POLL_TIMEOUT_S = 120
+# The quiet window, with every poll parked, over which the control plane's CPU is read.
+IDLE_S = 2.0
 
 
 async def _park(
@@ -67,7 +70,11 @@ async def _round(
     async with httpx.AsyncClient(base_url=cp_url) as client:
         (await client.get("/readyz")).raise_for_status()
     await asyncio.sleep(0.5)
+    # What the parked polls cost while nothing changes (with the refresher's own reads).
+    idle_cpu = _cpu_seconds(pid)
+    await asyncio.sleep(IDLE_S)
     cpu = _cpu_seconds(pid)
+    idle_cpu = cpu - idle_cpu
     started = time.perf_counter()
     await asyncio.to_thread(_publish, store, cp_url, RUN, version, False)
     answers = await asyncio.gather(*(_answer(reader) for reader, _ in parked))
@@ -89,6 +96,7 @@ async def _round(
         "cp_cpu_ms": round(cpu * 1e3, 1),
         "cp_cpu_us_per_answer": round(cpu / len(answers) * 1e6, 1),
         "window_ms": round((ended - started) * 1e3, 1),
+        "idle_cp_cpu_ms_per_s": round(idle_cpu / IDLE_S * 1e3, 1),
     }
 
 
@@ -130,7 +138,14 @@ def main(
         "rounds": rounds,
         **{
             f"median_{key}": statistics.median(r[key] for r in results)
-            for key in ("p50_ms", "p99_ms", "last_ms", "cp_cpu_ms", "cp_cpu_us_per_answer")
+            for key in (
+                "p50_ms",
+                "p99_ms",
+                "last_ms",
+                "cp_cpu_ms",
+                "cp_cpu_us_per_answer",
+                "idle_cp_cpu_ms_per_s",
+            )
         },
         "answered_all": all(r["answered"] == engines for r in results),
         "load_1m": round(os.getloadavg()[0], 2),

@@ -19,7 +19,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
-from controlplane import collector, dashboard, peer_routes, session_routes
+from controlplane import collector, dashboard, draining, peer_routes, session_routes
 from controlplane import db as dbmod
 from controlplane.auth import (
     ADMIN,
@@ -183,10 +183,12 @@ def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:
             settings.max_stream_bytes,
         )
         await cp.fleet.start()
+        # The shutdown answers waiting long-polls at once (`controlplane.draining`).
+        forget_drain = draining.on_begin(lambda: cp.fleet.call_soon(cp.wake_waiters))
         await cp.heartbeats.writer.start()
         await cp.store_sync.start()
         replicas = (
-            ReplicaEvents(dbmod.normalise_url(settings.db_url), cp.versions_changed)
+            ReplicaEvents(dbmod.normalise_url(settings.db_url), cp.replica_changed)
             if listens(dbmod.normalise_url(settings.db_url))
             else None
         )
@@ -207,6 +209,7 @@ def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:
                 await replicas.stop()
             await cp.store_sync.stop()
             await cp.heartbeats.writer.stop()
+            forget_drain()
             await cp.fleet.stop()
             await client.close()
             cp.registry.close()

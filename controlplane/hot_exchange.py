@@ -1,8 +1,8 @@
 """The hot lane's own HTTP exchange: a hot request answered on the server's connection
 without ASGI.
 
-Owns serving one request of the hot lane (`HotPath`: the generate routes and the
-heartbeat) straight from uvicorn's httptools protocol: the body is collected from the
+Owns serving one request of the hot lane (`HotPath`: the generate routes, the heartbeat
+and the target long-poll) straight from uvicorn's httptools protocol: the body is collected from the
 parser's callbacks, `HotPath.respond` answers it (the same roles, validation, error shape
 and handlers as the ASGI entry), and a complete answer leaves in one write — status line,
 headers and body — instead of the ASGI cycle's scope, receive/send messages, middleware
@@ -18,10 +18,10 @@ It stands in the protocol's `cycle` slot and keeps the attributes the protocol r
 writes there (`body`, `more_body`, `message_event`, `response_complete`, `disconnected`,
 `keep_alive`), so pipelining behind it, disconnects and graceful shutdown are uvicorn's
 own; the end of an answer goes to the protocol's `on_complete` (its keep-alive expiry).
-Never takes a request that is not a plain HTTP/1.1 POST on a hot path with nothing still
-unanswered ahead of it on the connection (no `Expect`, no upgrade, no percent-encoded
-path, no concurrency limit configured): those go to uvicorn's ASGI cycle and reach the
-same `HotPath` through `ControlPlaneApp`.
+Never takes a request that is not a plain HTTP/1.1 POST (or the target long-poll's GET) on
+a hot path with nothing still unanswered ahead of it on the connection (no `Expect`, no
+upgrade, no percent-encoded path, no concurrency limit configured): those go to uvicorn's
+ASGI cycle and reach the same `HotPath` through `ControlPlaneApp`.
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CLIENT_GONE = 499
+# The methods of the hot routes (`HotPath.match`): the POSTs, and the target long-poll's GET.
+HOT_METHODS = {b"POST": "POST", b"GET": "GET"}
 
 
 def start(protocol: HttpToolsProtocol, on_complete: Callable[[], None]) -> bool:
@@ -61,8 +63,9 @@ def start(protocol: HttpToolsProtocol, on_complete: Callable[[], None]) -> bool:
         return False
     parser = protocol.parser
     current = protocol.cycle
+    method = parser.get_method()
     if (
-        parser.get_method() != b"POST"
+        method not in HOT_METHODS
         or parser.get_http_version() != "1.1"
         or parser.should_upgrade()
         or protocol.expect_100_continue
@@ -71,14 +74,16 @@ def start(protocol: HttpToolsProtocol, on_complete: Callable[[], None]) -> bool:
         or (current is not None and not current.response_complete)
     ):
         return False
-    raw_path = httptools.parse_url(protocol.url).path
+    url = httptools.parse_url(protocol.url)
+    raw_path = url.path
     if b"%" in raw_path:
         return False
     path = raw_path.decode("ascii")
-    route = lane.path.match("POST", path)
+    route = lane.path.match(HOT_METHODS[method], path)
     if route is None:
         return False
     exchange = HotExchange(protocol, lane, route, path, parser.should_keep_alive(), on_complete)
+    exchange.query = url.query or b""
     protocol.cycle = exchange  # type: ignore[assignment]
     if route.template.path in GENERATE_ROUTES and lane.path.cp.proxy is not None:
         exchange.awaiting_body = True  # a generate request: see `body_complete`
@@ -136,6 +141,7 @@ class HotExchange:
         self.lane = lane
         self.route = route
         self.path = path
+        self.query = b""
         self.raw_headers = protocol.headers
         # The protocol's view of its current request (see the module docstring).
         self.body = bytearray()
@@ -305,7 +311,7 @@ class HotExchange:
                 await self._send_response(response)
         except Exception:
             # `respond` answers every error in the one shape; this is a failure to send.
-            log.exception("POST %s: the answer could not be sent", self.path)
+            log.exception("%s: the answer could not be sent", self.path)
             self.keep_alive = False
         except asyncio.CancelledError:
             self.keep_alive = False  # shutting down mid-answer: end the connection
@@ -322,7 +328,9 @@ class HotExchange:
         # its last value, as on the ASGI entry.
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in self.raw_headers}
         try:
-            return await self.lane.path.respond(self.route, self.path, headers, self._read_body)
+            return await self.lane.path.respond(
+                self.route, self.path, headers, self._read_body, self.query
+            )
         except Exception:
             # `respond` logged it and re-raised for ASGI's server; answer in the one shape.
             return error_response(InternalError("internal error; see the server log"))

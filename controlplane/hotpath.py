@@ -188,12 +188,12 @@ class HotPath:
             return Response(status_code=499)
         except DATABASE_ERRORS as exc:
             if not is_database_down(exc):
-                log.exception("POST %s failed", path)
+                log.exception("%s failed", path)
                 raise
             return error_response(self.cp.outage.failed(exc, path))
         except Exception:
             # FastAPI's error middleware is not above this lane: answer in the one shape.
-            log.exception("POST %s failed", path)
+            log.exception("%s failed", path)
             return error_response(InternalError("internal error; see the server log"))
 
     async def _generate(

@@ -13,7 +13,6 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
-from controlplane.draining import CHECK_INTERVAL_S as DRAIN_CHECK_S
 from controlplane.draining import draining
 from controlplane.fleet import STALE_AFTER_S
 from wire import TargetReply
@@ -28,14 +27,16 @@ async def long_poll(
     timeout: float,
 ) -> Any:
     """Call `check` until it returns something not None or `timeout` passes, or the server
-    begins to shut down (the caller then answers as on a timeout)."""
+    begins to shut down (the caller then answers as on a timeout). `wait(left)` returns
+    after at most `left` seconds, and at once when the shutdown begins (its waiters are
+    woken through `draining.on_begin`)."""
     deadline = time.monotonic() + timeout
     while True:
         found = await check()
         left = deadline - time.monotonic()
         if found is not None or left <= 0 or draining():
             return found
-        await wait(min(left, DRAIN_CHECK_S))
+        await wait(left)
 
 
 async def wait_for_target(

@@ -101,6 +101,17 @@ class Services:
         self.fleet.mark_dirty()
         self.wake_version_waiters()
 
+    def replica_changed(self) -> None:
+        """Another replica announced a change (on the event loop), which may be a deleted
+        row: read every row, and wake waiters."""
+        self.fleet.mark_dirty(whole=True)
+        self.wake_version_waiters()
+
+    def wake_waiters(self) -> None:
+        """Return every waiting long-poll now (on the event loop), to look again."""
+        self.fleet.wake_waiters()
+        self.wake_version_waiters()
+
     def wake_version_waiters(self) -> None:
         waiters, self.version_events = self.version_events, []
         for event in waiters:

@@ -1,7 +1,8 @@
-"""The served process answers the hot lane (generate routes, heartbeats) with its own
-exchange instead of an ASGI cycle. A client sees exactly what the ASGI entry answers
-(`TETHER_HOT_EXCHANGE=0`): the same status and body for a routed request and for every
-refusal (auth, bad JSON, limits, 409, unknown engine), and HTTP/1.1 as uvicorn speaks it:
+"""The served process answers the hot lane (generate routes, heartbeats, the target
+long-poll) with its own exchange instead of an ASGI cycle. A client sees exactly what the
+ASGI entry answers (`TETHER_HOT_EXCHANGE=0`): the same status and body for a routed
+request, a target, and every refusal (auth, bad JSON or query, limits, 409, unknown
+engine), and HTTP/1.1 as uvicorn speaks it:
 keep-alive, pipelined requests answered in order, `Connection: close` honoured. Both
 processes share one database, so they see the same fleet, and run side by side."""
 
@@ -91,6 +92,11 @@ def post(path: str, body: bytes, token: str | None, extra: str = "") -> bytes:
     ).encode() + body
 
 
+def get(path: str, token: str | None) -> bytes:
+    auth = f"Authorization: Bearer {token}\r\n" if token else ""
+    return f"GET {path} HTTP/1.1\r\nHost: t\r\n{auth}\r\n".encode()
+
+
 def generate(version: dict[str, int] | None = None) -> bytes:
     return json.dumps({"text": "hi", "weight_version": version or {"min_version": 1}}).encode()
 
@@ -144,6 +150,7 @@ def requests_of_every_kind(tokens: dict[str, str]) -> dict[str, bytes]:
     client, engine = tokens["client"], tokens["engine"]
     heartbeat = json.dumps({"applied_version": 1, "sync_state": "ready"}).encode()
     beat = f"/v1/engines/{tokens['engine_id']}/heartbeat"
+    target = f"/v1/engines/{tokens['engine_id']}/target"
     return {
         "routed": post("/v1/generate", generate(), client),
         "heartbeat of the stand-in": post(beat, heartbeat, engine),
@@ -163,6 +170,14 @@ def requests_of_every_kind(tokens: dict[str, str]) -> dict[str, bytes]:
         "unknown engine heartbeat": post("/v1/engines/nope/heartbeat", heartbeat, engine),
         "heartbeat with a client token": post("/v1/engines/nope/heartbeat", heartbeat, client),
         "heartbeat body invalid": post("/v1/engines/nope/heartbeat", BAD_HEARTBEAT, engine),
+        "target changed": get(f"{target}?after=0&timeout=5", engine),
+        "target with no after": get(f"{target}?timeout=5", engine),
+        "target after repeated": get(f"{target}?after=1&after=0&timeout=5", engine),
+        "target bad after": get(f"{target}?after=-1", engine),
+        "target bad timeout": get(f"{target}?after=0&timeout=soon", engine),
+        "target of an unknown engine": get("/v1/engines/nope/target?after=0", engine),
+        "target with a client token": get(f"{target}?after=0", client),
+        "target with no token": get(f"{target}?after=0", None),
     }
 
 
@@ -183,6 +198,10 @@ def test_every_hot_answer_is_the_one_the_asgi_entry_gives(pair: tuple[Served, Se
         assert comparable(ours) == comparable(theirs), name
         if name.startswith("heartbeat of"):
             assert ours[0] == 200 and json.loads(ours[2])["target_version"] == 1
+        elif name.startswith("target changed") or name.startswith("target with no after"):
+            assert ours == (200, ours[1], b'{"target_version":1,"changed":true}'), name
+        elif name == "target after repeated":
+            assert comparable(ours) == (200, {"target_version": 1, "changed": True})
         elif name == "routed":
             status, headers, body = ours
             assert status == 200
@@ -201,12 +220,14 @@ def test_requests_pipelined_on_one_connection_are_answered_in_order(
         post("/v1/generate", generate(), client)
         + b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n"
         + post("/v1/generate", generate({"exact_version": 2}), client)
+        + get(f"/v1/engines/{fast.tokens['engine_id']}/target?after=0", fast.tokens["engine"])
         + post("/v1/chat/completions", generate(), client)
     )
-    answers = fast.exchange(raw, 4)
-    assert [a[0] for a in answers] == [200, 200, 409, 200]
+    answers = fast.exchange(raw, 5)
+    assert [a[0] for a in answers] == [200, 200, 409, 200, 200]
     assert json.loads(answers[1][2])["status"] == "ok"
     assert json.loads(answers[2][2])["error"]["type"] == "WeightVersionNotReady"
+    assert json.loads(answers[3][2]) == {"target_version": 1, "changed": True}
 
 
 def test_a_request_left_to_asgi_after_a_hot_one_keeps_its_headers_and_path(

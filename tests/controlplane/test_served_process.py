@@ -65,13 +65,20 @@ def test_sigterm_ends_the_control_plane_while_long_polls_are_open_and_answers_th
     cp = fresh(tmp_path, processes)
     headers = {"Authorization": f"Bearer {ADMIN}"}
     assert httpx.post(cp.url + "/v1/runs", json={"run_id": "r"}, headers=headers).is_success
+    engine = {"url": "http://127.0.0.1:9", "run_id": "r", "precision": "bf16"}
+    registered = httpx.post(cp.url + "/v1/engines", json=engine, headers=headers)
+    assert registered.status_code == 201, registered.text
+    engine_id = registered.json()["engine_id"]
     parts = urlsplit(cp.url)
     polls = []
-    for _ in range(3):
+    waits = ["/v1/runs/r/versions/wait?after=0"] * 3 + [f"/v1/engines/{engine_id}/target?after=0"]
+    for path in waits:
         sock = socket.create_connection((parts.hostname, parts.port), timeout=30)
         sock.sendall(
-            b"GET /v1/runs/r/versions/wait?after=0&timeout=60 HTTP/1.1\r\nHost: x\r\n"
-            b"Authorization: Bearer " + ADMIN.encode() + b"\r\n\r\n"
+            f"GET {path}&timeout=60 HTTP/1.1\r\nHost: x\r\n".encode()
+            + b"Authorization: Bearer "
+            + ADMIN.encode()
+            + b"\r\n\r\n"
         )
         polls.append(sock)
     # One event loop reads requests in arrival order: once a later request is answered,
@@ -81,11 +88,12 @@ def test_sigterm_ends_the_control_plane_while_long_polls_are_open_and_answers_th
     cp.terminate()
     # Without a bounded graceful shutdown the process waits out the 60 s long-polls.
     assert cp.wait_exit(30) is not None
-    for sock in polls:
+    nothing_new = [{"versions": []}] * 3 + [{"target_version": 0, "changed": False}]
+    for sock, expected in zip(polls, nothing_new, strict=True):
         # Each poll got a clean "nothing new yet" answer, not a reset: its client polls again.
         answer = b"".join(iter(lambda sock=sock: sock.recv(65536), b""))
         sock.close()
         assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
-        assert json.loads(answer.partition(b"\r\n\r\n")[2]) == {"versions": []}
+        assert json.loads(answer.partition(b"\r\n\r\n")[2]) == expected
     log = (tmp_path / "cp.log").read_text()
     assert "Traceback" not in log and "Cancel" not in log, log[-2000:]
