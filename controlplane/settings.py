@@ -22,8 +22,9 @@ class ControlPlaneSettings(BaseSettings):
     lease_seconds: float = Field(default=10.0, gt=0)
     heartbeat_interval_s: float = Field(default=2.0, gt=0)
     max_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0)
-    # The hot lane (generate routes, heartbeats) answered by the server's own exchange
-    # instead of an ASGI cycle (`hot_exchange.py`); off: the ASGI entry, same answers.
+    # The hot lane (generate routes, heartbeats, target long-polls) answered by the
+    # server's own exchange instead of an ASGI cycle (`hot_exchange.py`); off: the ASGI
+    # entry, same answers.
     hot_exchange: bool = True
     # Once serving, freeze the objects that exist and collect cycles rarely
     # (`controlplane/collector.py`); off: CPython's defaults (full collections of every
