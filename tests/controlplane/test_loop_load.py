@@ -1,7 +1,8 @@
 """What keeps the control plane's event loop and heartbeats responsive at fleet scale: the
 heartbeat writer never queues behind other routes' work in the shared thread pool, a
-snapshot swap wakes the waiting target long-polls only when an answer could change, and
-this process's heartbeats are patched into the snapshot rather than read back whole."""
+snapshot swap wakes the waiting target long-polls only when an answer could change (and
+nothing else wakes a parked one), and this process's heartbeats are patched into the
+snapshot rather than read back whole."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import pytest
 from controlplane.db import migrate, open_engine, session_factory
 from controlplane.fleet import Fleet
 from controlplane.heartbeats import GroupCommit, Heartbeats
+from controlplane.long_poll import long_poll
 from controlplane.metrics import Metrics
 from controlplane.registry import Registry
 from controlplane.router import eligible
@@ -134,6 +136,23 @@ def test_a_snapshot_swap_wakes_target_long_polls_only_when_an_answer_can_change(
 def snapshots(metrics: Metrics, how: str) -> float:
     found = metrics.registry.get_sample_value("tether_fleet_snapshots_total", {"how": how})
     return found or 0.0
+
+
+def test_a_parked_long_poll_waits_its_whole_timeout_in_one_wait_until_woken() -> None:
+    # No timer round per waiting poll: the shutdown wakes them (`draining.on_begin`); a
+    # poll that woke every 0.25 s cost 4,000 wake-ups a second at 1,000 engines.
+    checks: list[float] = []
+    waits: list[float] = []
+
+    async def check() -> str | None:
+        checks.append(time.monotonic())
+        return "changed" if len(checks) == 2 else None
+
+    async def wait(left: float) -> None:
+        waits.append(left)
+
+    assert asyncio.run(long_poll(check, wait, 30.0)) == "changed"
+    assert len(waits) == 1 and 29.0 < waits[0] <= 30.0, waits
 
 
 def test_a_burst_of_state_changing_heartbeats_is_patched_in_without_reading_the_fleet_back(
