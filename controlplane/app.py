@@ -188,7 +188,9 @@ def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:
         await cp.heartbeats.writer.start()
         await cp.store_sync.start()
         replicas = (
-            ReplicaEvents(dbmod.normalise_url(settings.db_url), cp.replica_changed)
+            ReplicaEvents(
+                dbmod.normalise_url(settings.db_url), lambda: cp.versions_changed(whole=True)
+            )
             if listens(dbmod.normalise_url(settings.db_url))
             else None
         )

@@ -19,8 +19,8 @@ That periodic reload reads only the rows written since shortly before the previo
 them into the snapshot; at 1,000 engines beating every 10 s that is ~150 rows instead of
 1,000, twice a second. So does the read right after a registration, publication, policy
 change or new demand in this process: each is a written row or a table read whole every
-time, and a read of every row came before a publication's wake-up of the fleet's target
-long-polls (~15 ms more at 1,000 engines). Every row is read at start, after a
+time, and a publication's wake-up of the fleet's target long-polls waits for this read (one
+of every row costs ~15 ms more at 1,000 engines). Every row is read at start, after a
 deregistration in this process, after anything another replica announced, after a database
 outage, and at least every `full_read_s`: what a read of changed rows cannot see (a row
 deleted without an announcement, a write whose timestamp is more than `CHANGED_OVERLAP_S`

@@ -2,9 +2,10 @@
 without ASGI.
 
 Owns serving one request of the hot lane (`HotPath`: the generate routes, the heartbeat
-and the target long-poll) straight from uvicorn's httptools protocol: the body is collected from the
-parser's callbacks, `HotPath.respond` answers it (the same roles, validation, error shape
-and handlers as the ASGI entry), and a complete answer leaves in one write — status line,
+and the target long-poll) straight from uvicorn's httptools protocol: the body is
+collected from the parser's callbacks, `HotPath.respond` answers it (the same roles,
+validation, error shape and handlers as the ASGI entry), and a complete answer leaves in
+one write — status line,
 headers and body — instead of the ASGI cycle's scope, receive/send messages, middleware
 closures and two writes. The body and header limits and the request metrics are the
 lane's own middleware objects, applied directly. Streamed answers go through small ASGI
@@ -51,7 +52,7 @@ log = logging.getLogger(__name__)
 
 CLIENT_GONE = 499
 # The methods of the hot routes (`HotPath.match`): the POSTs, and the target long-poll's GET.
-HOT_METHODS = {b"POST": "POST", b"GET": "GET"}
+HOT_METHODS = (b"POST", b"GET")
 
 
 def start(protocol: HttpToolsProtocol, on_complete: Callable[[], None]) -> bool:
@@ -79,11 +80,12 @@ def start(protocol: HttpToolsProtocol, on_complete: Callable[[], None]) -> bool:
     if b"%" in raw_path:
         return False
     path = raw_path.decode("ascii")
-    route = lane.path.match(HOT_METHODS[method], path)
+    route = lane.path.match(method.decode("ascii"), path)
     if route is None:
         return False
-    exchange = HotExchange(protocol, lane, route, path, parser.should_keep_alive(), on_complete)
-    exchange.query = url.query or b""
+    exchange = HotExchange(
+        protocol, lane, route, path, url.query or b"", parser.should_keep_alive(), on_complete
+    )
     protocol.cycle = exchange  # type: ignore[assignment]
     if route.template.path in GENERATE_ROUTES and lane.path.cp.proxy is not None:
         exchange.awaiting_body = True  # a generate request: see `body_complete`
@@ -133,6 +135,7 @@ class HotExchange:
         lane: HotLane,
         route: HotRoute,
         path: str,
+        query: bytes,
         keep_alive: bool,
         on_complete: Callable[[], None],
     ) -> None:
@@ -141,7 +144,7 @@ class HotExchange:
         self.lane = lane
         self.route = route
         self.path = path
-        self.query = b""
+        self.query = query
         self.raw_headers = protocol.headers
         # The protocol's view of its current request (see the module docstring).
         self.body = bytearray()

@@ -2,8 +2,8 @@
 
 Owns the fast lane for the router's three generate routes, the engine heartbeat and the
 engine's target long-poll: they are matched by method and path before FastAPI sees the
-request (`ControlPlaneApp`, or for the POSTs the served process's own exchange,
-`hot_exchange.py`, before any ASGI cycle) and served under the same body limit and
+request (`ControlPlaneApp`, or the served process's own exchange, `hot_exchange.py`,
+before any ASGI cycle) and served under the same body limit and
 request metrics, with the same roles, validation, error shape and metrics labels as the
 FastAPI routes of the same paths, which stay declared for OpenAPI and /docs and call the
 same code (`Proxy.handle`, `Heartbeats.answer`, `long_poll.wait_for_target`). Everything

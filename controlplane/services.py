@@ -96,15 +96,11 @@ class Services:
         )
         return services
 
-    def versions_changed(self) -> None:
-        """A run's latest version moved (on the event loop): refresh and wake waiters."""
-        self.fleet.mark_dirty()
-        self.wake_version_waiters()
-
-    def replica_changed(self) -> None:
-        """Another replica announced a change (on the event loop), which may be a deleted
-        row: read every row, and wake waiters."""
-        self.fleet.mark_dirty(whole=True)
+    def versions_changed(self, whole: bool = False) -> None:
+        """A run's latest version moved (on the event loop): refresh and wake waiters.
+        `whole`: read every engine row (another replica's announcement may be a deleted
+        row)."""
+        self.fleet.mark_dirty(whole)
         self.wake_version_waiters()
 
     def wake_waiters(self) -> None:
