@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import json
 import logging
 import multiprocessing
 import queue
@@ -32,8 +33,6 @@ from multiprocessing.process import BaseProcess
 from multiprocessing.queues import Queue
 from pathlib import Path
 from typing import Any
-
-import httpx
 
 from bench.capped_link import CappedObjects, Egress, Link, SharedLink
 from bench.null_engine import NullEngine
@@ -416,7 +415,7 @@ class Share:
         # With peer fetch the agent keeps what it fetched, verified, to serve it.
         cache = work / "peer-files" if spec.peers else None
         store = Store(inner.url, objects=capped, cache_dir=cache)
-        control = ControlClient(settings.control_planes, settings.token, event_hooks=self._hooks())
+        control = ControlClient(settings.control_planes, settings.token, on_answer=self._answered)
         agent = Agent(settings, engine, store=store, control=control)
         if spec.lies(index):
             _serve_damaged(agent)
@@ -457,17 +456,13 @@ class Share:
             )
         return self._base_settings
 
-    def _hooks(self) -> dict[str, list[Any]]:
-        return {"request": [_sent], "response": [self._answered]}
-
-    async def _answered(self, response: httpx.Response) -> None:
-        path = response.request.url.path
-        sent = response.request.extensions.get("fleet_sent")
-        if path.endswith("/heartbeat") and sent is not None and self.recording:
-            self.heartbeat_s.append(time.perf_counter() - sent)
-        elif path.endswith("/target") and response.status_code == 200:
-            await response.aread()
-            reply = response.json()
+    def _answered(self, method: str, path: str, status: int, seconds: float, body: bytes) -> None:
+        """Every control-plane answer an agent gets: heartbeat round trips, and each
+        long-poll that came back with a new target (a wake-up)."""
+        if path.endswith("/heartbeat") and self.recording:
+            self.heartbeat_s.append(seconds)
+        elif path.endswith("/target") and status == 200:
+            reply = json.loads(body)
             target = reply.get("target_version")
             if reply.get("changed") and target is not None:
                 self.report(("woken", int(target), time.time()))
@@ -512,10 +507,6 @@ class Share:
             "source_faults": dict(sum((Tally(s.source_faults) for s in statuses), Tally())),
             "failures": dict(sum((Tally(s.failures) for s in statuses), Tally())),
         }
-
-
-async def _sent(request: httpx.Request) -> None:
-    request.extensions["fleet_sent"] = time.perf_counter()
 
 
 async def _loop_lag(share: Share, period_s: float = 0.1) -> None:

@@ -53,7 +53,7 @@ from controlplane.refusals import too_far_ahead
 from controlplane.services import Services
 from controlplane.session_records import Session, SessionRecords, Turn
 from controlplane.snapshot import EngineView
-from controlplane.upstream import UpstreamError
+from http1.client import UpstreamError
 from store.types import VersionConstraint
 from wire import (
     SessionCreate,

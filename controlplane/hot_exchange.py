@@ -43,7 +43,7 @@ from controlplane.errors import ApiError, InternalError, error_response
 from controlplane.hotpath import GENERATE_ROUTES, HotLane, HotRoute
 from controlplane.proxy import Forward
 from controlplane.snapshot import EngineView
-from controlplane.upstream import Answer, UpstreamError
+from http1.client import Answer, UpstreamError
 
 if TYPE_CHECKING:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol

@@ -33,7 +33,7 @@ from controlplane.metrics import Metrics
 from controlplane.refusals import refusal, too_far_ahead
 from controlplane.router import pick
 from controlplane.snapshot import EngineView, FleetSnapshot
-from controlplane.upstream import Answer, Upstream, UpstreamError
+from http1.client import Answer, Upstream, UpstreamError
 from store.types import VersionConstraint
 from wire import (
     ENGINE_ID_HEADER,

@@ -7,18 +7,29 @@ the wire models of `wire`, and their failure mapping: 404 on an engine route
 `ControlPlaneUnavailable`. Also owns fail-over between control-plane replicas: it keeps
 calling the one that answered last and moves on to the next URL when that one does not
 answer or answers 5xx (replicas share one database, so engine ids hold on every one).
-Must never import the control plane's server modules.
+Calls go through Tether's own HTTP/1.1 client (`http1`), a tenth or less of httpx's CPU per
+call (`bench/http_cost.py`): a thousand agents in one process spend their time on their
+work, not on heartbeats. Where the environment routes a control-plane URL through a proxy
+(`HTTPS_PROXY`/`HTTP_PROXY`/`ALL_PROXY` without a matching `NO_PROXY`), that URL's calls go
+through httpx, which speaks to proxies, as they always did. Must never import the control
+plane's server modules.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from typing import Any, TypeVar
+import time
+import urllib.request
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
+from urllib.parse import urlencode, urlsplit
 
 import httpx
 from pydantic import BaseModel
 
 from engine_agent.errors import ControlPlaneUnavailable, EngineNotRegistered
+from http1.client import Upstream, UpstreamError
 from store.sources.http import shared_tls
 from wire import (
     EngineRegister,
@@ -45,10 +56,100 @@ Reply = TypeVar("Reply", bound=BaseModel)
 # one call as an unreachable control plane would (a heartbeat retries, a long-poll asks
 # again, a fetch plan falls back to the store).
 KEEPALIVE_S = 60.0
+# Connections one agent may hold open to one replica: a parked long-poll, a heartbeat, a
+# fetch plan, a peer report and token checks for its peers at once.
+MAX_CONNECTIONS = 64
+
+Headers = tuple[tuple[str, str], ...]
+# Told of every answer: (method, path without query, status, seconds, body). For
+# benchmarks timing the calls.
+AnswerHook = Callable[[str, str, int, float, bytes], None]
 
 
 class _ReplicaDown(ControlPlaneUnavailable):
     """This replica did not answer or answered 5xx: another one may."""
+
+
+class _Transport(Protocol):
+    async def send(
+        self, method: str, target: str, body: bytes, headers: Headers, timeout_s: float | None
+    ) -> tuple[int, bytes]:
+        """(status, body) of one call; `UpstreamError` when the replica did not answer."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class _Lean:
+    """A replica reached through `http1`'s keep-alive pool (made on the first call of each
+    event loop: it belongs to the loop)."""
+
+    def __init__(self, url: str, timeout_s: float) -> None:
+        self.url = url
+        self.timeout_s = timeout_s
+        self._pool: Upstream | None = None
+
+    async def send(
+        self, method: str, target: str, body: bytes, headers: Headers, timeout_s: float | None
+    ) -> tuple[int, bytes]:
+        if self._pool is None or self._pool.loop is not asyncio.get_running_loop():
+            # The first call, or one from another event loop than the pool's (a pool's
+            # connections belong to the loop they were opened on).
+            self._pool = Upstream(
+                read_timeout_s=self.timeout_s,
+                connect_timeout_s=self.timeout_s,
+                keepalive_s=KEEPALIVE_S,
+                max_connections=MAX_CONNECTIONS,
+                # The process's one TLS context: loading the CA bundle per client costs
+                # 0.1 s of CPU on the event loop (many agents in one process start together).
+                ssl_context=shared_tls() if self.url.startswith("https:") else None,
+            )
+        answer = await self._pool.request(method, self.url, target, body, headers, timeout_s)
+        return answer.status, answer.body
+
+    async def close(self) -> None:
+        if self._pool is not None:
+            await self._pool.close()
+
+
+class _Proxied:
+    """A replica the environment says to reach through a proxy: httpx, which speaks to it."""
+
+    def __init__(self, url: str, timeout_s: float) -> None:
+        self._client = httpx.AsyncClient(
+            base_url=url,
+            timeout=timeout_s,
+            verify=shared_tls(),
+            limits=httpx.Limits(keepalive_expiry=KEEPALIVE_S),
+        )
+
+    async def send(
+        self, method: str, target: str, body: bytes, headers: Headers, timeout_s: float | None
+    ) -> tuple[int, bytes]:
+        try:
+            reply = await self._client.request(
+                method,
+                target,
+                content=body or None,
+                headers=dict(headers),
+                timeout=timeout_s if timeout_s is not None else httpx.USE_CLIENT_DEFAULT,
+            )
+        except httpx.HTTPError as exc:
+            raise UpstreamError(f"{type(exc).__name__}: {exc}") from exc
+        return reply.status_code, reply.content
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+def proxied(url: str) -> bool:
+    """Whether the environment sends requests for `url` through a proxy (httpx's rule:
+    the scheme's or ALL_PROXY, unless NO_PROXY names the host)."""
+    parts = urlsplit(url)
+    proxies = urllib.request.getproxies_environment()
+    if not (proxies.get(parts.scheme) or proxies.get("all")):
+        return False
+    return not urllib.request.proxy_bypass(parts.hostname or "")
 
 
 class ControlClient:
@@ -60,26 +161,24 @@ class ControlClient:
         urls: str | list[str],
         token: str | None,
         timeout_s: float = 10.0,
-        event_hooks: dict[str, list[Any]] | None = None,
+        on_answer: AnswerHook | None = None,
     ) -> None:
-        """`event_hooks` are httpx's (e.g. a benchmark timing each call)."""
+        """`timeout_s`: to connect, and the longest silence within an answer (a long-poll
+        adds its own wait); `on_answer` is told of every answer (a benchmark timing calls)."""
         self.urls = [u.rstrip("/") for u in ([urls] if isinstance(urls, str) else urls)]
         if not self.urls:
             raise ValueError("ControlClient needs at least one control-plane URL")
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._clients = [
-            # The process's one TLS context: loading the CA bundle per client costs 0.1 s
-            # of CPU on the event loop (many agents in one process start together).
-            httpx.AsyncClient(
-                base_url=u,
-                headers=headers,
-                timeout=timeout_s,
-                event_hooks=event_hooks,
-                verify=shared_tls(),
-                limits=httpx.Limits(keepalive_expiry=KEEPALIVE_S),
-            )
-            for u in self.urls
+        for url in self.urls:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(
+                    f"control-plane URL {url!r}: expected http://host:port or https://host"
+                )
+        self._auth: Headers = (("Authorization", f"Bearer {token}"),) if token else ()
+        self._transports: list[_Transport] = [
+            _Proxied(u, timeout_s) if proxied(u) else _Lean(u, timeout_s) for u in self.urls
         ]
+        self._on_answer = on_answer
         self._current = 0
 
     @property
@@ -93,14 +192,17 @@ class ControlClient:
         path: str,
         reply_model: type[Reply] | None,
         body: BaseModel | None = None,
-        **kwargs: Any,
+        params: dict[str, Any] | None = None,
+        timeout_s: float | None = None,
     ) -> Reply | None:
         """`_call_one` on the current replica, then on each other one until one answers."""
         first = self._current
         for step in range(len(self.urls)):
             index = (first + step) % len(self.urls)
             try:
-                reply = await self._call_one(index, method, path, reply_model, body, **kwargs)
+                reply = await self._call_one(
+                    index, method, path, reply_model, body, params, timeout_s
+                )
             except _ReplicaDown as exc:
                 if step == len(self.urls) - 1:
                     raise
@@ -119,35 +221,51 @@ class ControlClient:
         path: str,
         reply_model: type[Reply] | None,
         body: BaseModel | None = None,
-        **kwargs: Any,
+        params: dict[str, Any] | None = None,
+        timeout_s: float | None = None,
+        headers: Headers | None = None,
     ) -> Reply | None:
         url = self.urls[index]
-        try:
-            reply = await self._clients[index].request(
-                method,
-                path,
-                content=body.model_dump_json() if body is not None else None,
-                headers={"content-type": "application/json"} if body is not None else None,
-                **kwargs,
-            )
-        except httpx.HTTPError as exc:
-            raise _ReplicaDown(
-                f"control plane at {url} did not answer {method} {path}: "
-                f"{type(exc).__name__}: {exc}"
-            ) from exc
-        if reply.status_code == 404 and path.startswith("/v1/engines/"):
+        status, content = await self._send(index, method, path, body, params, timeout_s, headers)
+        if status == 404 and path.startswith("/v1/engines/"):
             raise EngineNotRegistered(
-                f"control plane at {url} does not know this engine ({path}): {reply.text[:300]}"
+                f"control plane at {url} does not know this engine ({path}): {_text(content, 300)}"
             )
-        if reply.status_code >= 400:
+        if status >= 400:
             # A 4xx is this request's fault and another replica would say the same; a 5xx
             # (e.g. 503 while the database is away) is worth another replica.
-            failure = _ReplicaDown if reply.status_code >= 500 else ControlPlaneUnavailable
+            failure = _ReplicaDown if status >= 500 else ControlPlaneUnavailable
             raise failure(
                 f"control plane at {url} answered {method} {path} with "
-                f"{reply.status_code}: {reply.text[:500]}"
+                f"{status}: {_text(content, 500)}"
             )
-        return reply_model.model_validate_json(reply.content) if reply_model else None
+        return reply_model.model_validate_json(content) if reply_model else None
+
+    async def _send(
+        self,
+        index: int,
+        method: str,
+        path: str,
+        body: BaseModel | None,
+        params: dict[str, Any] | None,
+        timeout_s: float | None,
+        headers: Headers | None = None,
+    ) -> tuple[int, bytes]:
+        """(status, body) from replica `index`; `_ReplicaDown` if it did not answer."""
+        target = f"{path}?{urlencode(params)}" if params else path
+        data = body.model_dump_json().encode() if body is not None else b""
+        started = time.perf_counter()
+        try:
+            status, content = await self._transports[index].send(
+                method, target, data, self._auth if headers is None else headers, timeout_s
+            )
+        except UpstreamError as exc:
+            raise _ReplicaDown(
+                f"control plane at {self.urls[index]} did not answer {method} {path}: {exc}"
+            ) from exc
+        if self._on_answer is not None:
+            self._on_answer(method, path, status, time.perf_counter() - started, content)
+        return status, content
 
     async def register(self, body: EngineRegister) -> EngineRegistered:
         reply = await self._call("POST", "/v1/engines", EngineRegistered, body)
@@ -169,7 +287,7 @@ class ControlClient:
             f"/v1/engines/{engine_id}/target",
             TargetReply,
             params=params,
-            timeout=timeout_s + 10.0,
+            timeout_s=timeout_s + 10.0,
         )
         assert reply is not None
         return reply
@@ -194,20 +312,27 @@ class ControlClient:
         """The role of another caller's bearer token (a peer asking for files), or None
         if the control plane does not know it. Raise `ControlPlaneUnavailable` if no
         control plane answers."""
-        client = self._clients[self._current]
+        if any(c in authorization for c in "\r\n\0"):
+            return None  # no token has line breaks; it would not fit in a header either
         try:
-            reply = await client.get("/v1/tokens/self", headers={"Authorization": authorization})
-        except httpx.HTTPError as exc:
-            raise ControlPlaneUnavailable(
-                f"control plane at {self.url} did not answer the token check: {exc}"
-            ) from exc
-        if reply.status_code in (401, 403):
-            return None
-        if reply.status_code != 200:
-            raise ControlPlaneUnavailable(
-                f"control plane at {self.url} answered the token check with {reply.status_code}"
+            status, content = await self._send(
+                self._current,
+                "GET",
+                "/v1/tokens/self",
+                None,
+                None,
+                None,
+                (("Authorization", authorization),),
             )
-        return TokenIdentity.model_validate_json(reply.content).role
+        except _ReplicaDown as exc:
+            raise ControlPlaneUnavailable(f"the token check failed: {exc}") from exc
+        if status in (401, 403):
+            return None
+        if status != 200:
+            raise ControlPlaneUnavailable(
+                f"control plane at {self.url} answered the token check with {status}"
+            )
+        return TokenIdentity.model_validate_json(content).role
 
     async def deregister(self, engine_id: str) -> None:
         try:
@@ -216,5 +341,9 @@ class ControlClient:
             log.info("engine %s was already gone from %s", engine_id, self.url)
 
     async def close(self) -> None:
-        for client in self._clients:
-            await client.aclose()
+        for transport in self._transports:
+            await transport.close()
+
+
+def _text(content: bytes, limit: int) -> str:
+    return content[:limit].decode("utf-8", "replace")

@@ -44,7 +44,8 @@ def may_import_table() -> dict[str, set[str] | None]:
         elif allowed == EVERYTHING_BUT_TESTS:
             table[package] = {"*", "-tests"}
         else:
-            table[package] = set(re.findall(r"`([a-z_]+)`", re.sub(r"\(.*?\)", "", allowed)))
+            names = re.sub(r"\(.*?\)", "", allowed)
+            table[package] = set(re.findall(r"`([a-z_][a-z0-9_]*)`", names))
     return table
 
 

@@ -1,12 +1,15 @@
-"""The router's HTTP/1.1 client: keep-alive connections to engines, one POST at a time each.
+"""Tether's HTTP/1.1 client for its hot paths: keep-alive connections, one request at a time each.
 
-Owns connecting to engines (plain TCP or TLS), a pool of idle keep-alive connections per
-origin with an idle expiry and a cap on open connections, writing a POST whose body is
-passed through as the bytes that arrived, parsing the answer with httptools (Content-Length,
-chunked, or until the engine closes), the connect timeout and the read-inactivity timeout,
-and handing a streamed body over chunk by chunk with back-pressure. It does only what the
-forward needs — no redirects, cookies, proxies or compression — which is why it costs a
-fraction of a general-purpose client per request. Transport failures are `UpstreamError`.
+Owns connecting to a server (plain TCP or TLS), a pool of idle keep-alive connections per
+origin with an idle expiry and a cap on open connections, writing a request (the router's
+forwarded POST, whose body passes through as the bytes that arrived, or an agent's call to
+its control plane), parsing the answer with httptools (Content-Length, chunked, or until
+the server closes), the connect timeout and the read-inactivity timeout (per pool, or per
+request), and handing a streamed body over chunk by chunk with back-pressure. It does only
+what those callers need — no redirects, cookies, proxies or compression — which is why it
+costs a fraction of a general-purpose client per request (`bench/http_cost.py`). Transport
+failures are `UpstreamError`. Imports nothing of ours: the router (`controlplane`) and the
+agents (`engine_agent`) share it.
 
 Why over 500 lines: one connection's life (pool, request writer, response parser, streamed
 body) is one concept on the routed request's hot path; split across modules its state
@@ -32,16 +35,16 @@ MAX_REMEMBERED_ORIGINS = 4096
 
 
 class UpstreamError(Exception):
-    """The engine could not be reached or broke off before a complete answer."""
+    """The server could not be reached or broke off before a complete answer."""
 
 
 class UpstreamTimeout(UpstreamError):
-    """The engine did not connect, or went silent, within the configured time."""
+    """The server did not connect, or went silent, within the configured time."""
 
 
 @dataclass(frozen=True, eq=False)
 class Origin:
-    """Where an engine URL's requests go: the pool key, and the path prefix to put first.
+    """Where a URL's requests go: the pool key, and the path prefix to put first.
 
     Compared by identity: `Upstream` keeps one per URL, and a dataclass's field-wise hash
     is a Python call on each of a request's three pool and head lookups.
@@ -72,7 +75,7 @@ class Origin:
 
 
 class Answer:
-    """An engine's answer: status, headers (lower-case names) and the body.
+    """A server's answer: status, headers (lower-case names) and the body.
 
     Without streaming the body is complete (`body`) and the connection is already back in
     the pool. With streaming the body arrives through `chunks()`, and the holder must end
@@ -147,7 +150,7 @@ class Answer:
 
 
 class _Connection(asyncio.Protocol):
-    """One keep-alive connection to an engine; carries one request at a time."""
+    """One keep-alive connection to a server; carries one request at a time."""
 
     def __init__(self, pool: Upstream, origin: Origin) -> None:
         self.pool = pool
@@ -169,6 +172,8 @@ class _Connection(asyncio.Protocol):
         self.body_parts: list[bytes] = []
         self.until_close = False
         self.last_read = 0.0
+        # The read-inactivity limit of the request in flight (the pool's unless it asked).
+        self.timeout_s = pool.read_timeout_s
         # The read-inactivity timer is armed once and lapses when it finds no request in
         # flight (`busy`), rather than being set and cancelled for every request: a timer
         # costs about as much as the rest of the pool's per-request bookkeeping.
@@ -241,9 +246,11 @@ class _Connection(asyncio.Protocol):
 
     # Requests ---------------------------------------------------------------------------
 
-    async def request(self, head: bytes, body: bytes, stream: bool) -> Answer:
+    async def request(
+        self, head: bytes, body: bytes, stream: bool, timeout_s: float | None = None
+    ) -> Answer:
         self.waiter = self.loop.create_future()
-        self._send(head, body, stream)
+        self._send(head, body, stream, timeout_s)
         if self.drained is not None:
             await self.drained
         return await self.waiter
@@ -256,7 +263,7 @@ class _Connection(asyncio.Protocol):
         self.on_done = on_done
         self._send(head, body, False)
 
-    def _send(self, head: bytes, body: bytes, stream: bool) -> None:
+    def _send(self, head: bytes, body: bytes, stream: bool, timeout_s: float | None = None) -> None:
         assert self.transport is not None
         self.stream = stream
         self.answer = None
@@ -265,8 +272,14 @@ class _Connection(asyncio.Protocol):
         self.received = False
         self.last_read = self.loop.time()
         self.busy = True
+        self.timeout_s = self.pool.read_timeout_s if timeout_s is None else timeout_s
+        due = self.last_read + self.timeout_s
+        if self.timer is not None and self.timer.when() > due:
+            # Armed for an earlier request with a longer limit (a long-poll): too late.
+            self.timer.cancel()
+            self.timer = None
         if self.timer is None:
-            self.timer = self.loop.call_at(self.last_read + self.pool.read_timeout_s, self._check)
+            self.timer = self.loop.call_at(due, self._check)
         try:
             if len(body) < 65536:
                 self.transport.write(head + body)
@@ -334,16 +347,15 @@ class _Connection(asyncio.Protocol):
             # Waiting on our own client is not the engine's silence.
             self.last_read = self.loop.time()
         idle = self.loop.time() - self.last_read
-        if idle >= self.pool.read_timeout_s:
+        if idle >= self.timeout_s:
             self.timer = None
             self._fail(
                 UpstreamTimeout(
-                    f"{self.origin.host_header.decode()} sent nothing for "
-                    f"{self.pool.read_timeout_s:g} s"
+                    f"{self.origin.host_header.decode()} sent nothing for {self.timeout_s:g} s"
                 )
             )
         else:
-            self.timer = self.loop.call_at(self.last_read + self.pool.read_timeout_s, self._check)
+            self.timer = self.loop.call_at(self.last_read + self.timeout_s, self._check)
 
     def _stop_timer(self) -> None:
         if self.timer is not None:
@@ -375,7 +387,8 @@ class _Connection(asyncio.Protocol):
 
 
 class Upstream:
-    """Keep-alive connections to engines, shared by every request of one process.
+    """Keep-alive connections to servers (the router's: engines), shared by the requests of
+    one process (the router) or of one caller (an agent's control-plane client).
 
     Create it inside the running event loop; `close()` on shutdown.
     """
@@ -386,7 +399,9 @@ class Upstream:
         connect_timeout_s: float = 5.0,
         keepalive_s: float = 4.0,
         max_connections: int = 2048,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
+        """`ssl_context`: for https URLs (default: the system's trust store)."""
         self.loop = asyncio.get_running_loop()
         self.read_timeout_s = read_timeout_s
         self.connect_timeout_s = connect_timeout_s
@@ -399,7 +414,7 @@ class Upstream:
         self._heads: dict[tuple[Origin, str], bytes] = {}
         self._open = 0
         self._waiting: deque[asyncio.Future[None]] = deque()
-        self._ssl: ssl.SSLContext | None = None
+        self._ssl = ssl_context
         self._closing = False
         # `post_now` requests sent once more on a fresh connection (held until done).
         self._resending: set[asyncio.Task[None]] = set()
@@ -427,10 +442,32 @@ class Upstream:
         """
         origin = self._origin(url)
         head = self._head(origin, path, extra_headers, len(body))
+        return await self._exchange(origin, head, body, stream, None)
+
+    async def request(
+        self,
+        method: str,
+        url: str,
+        target: str,
+        body: bytes = b"",
+        extra_headers: tuple[tuple[str, str], ...] = (),
+        timeout_s: float | None = None,
+    ) -> Answer:
+        """`method` `url` + `target` (path and query, already encoded) with `body` (JSON,
+        if any); the complete answer, whatever its status. `timeout_s`: this request's
+        read-inactivity limit (a long-poll's is longer than the pool's). Sent once more on
+        a fresh connection as `post` is."""
+        origin = self._origin(url)
+        head = self._head(origin, target, extra_headers, len(body), method.encode("ascii"))
+        return await self._exchange(origin, head, body, False, timeout_s)
+
+    async def _exchange(
+        self, origin: Origin, head: bytes, body: bytes, stream: bool, timeout_s: float | None
+    ) -> Answer:
         for attempt in (0, 1):
             conn = await self._acquire(origin, fresh=attempt > 0)
             try:
-                return await conn.request(head, body, stream)
+                return await conn.request(head, body, stream, timeout_s)
             except UpstreamTimeout:
                 raise
             except UpstreamError:
@@ -508,13 +545,21 @@ class Upstream:
         return origin
 
     def _head(
-        self, origin: Origin, path: str, extra: tuple[tuple[str, str], ...], length: int
+        self,
+        origin: Origin,
+        path: str,
+        extra: tuple[tuple[str, str], ...],
+        length: int,
+        method: bytes = b"POST",
     ) -> bytes:
         key = (origin, path)
-        fixed = self._heads.get(key) if not extra else None
+        cached = not extra and method == b"POST"  # the router's forwards: a few paths
+        fixed = self._heads.get(key) if cached else None
         if fixed is None:
+            if any(c in path for c in " \r\n\0"):
+                raise UpstreamError(f"request target {path!r}: must be percent-encoded")
             lines = [
-                b"POST " + origin.prefix + path.encode() + b" HTTP/1.1",
+                method + b" " + origin.prefix + path.encode() + b" HTTP/1.1",
                 b"Host: " + origin.host_header,
                 b"User-Agent: tether",
                 b"Content-Type: application/json",
@@ -525,7 +570,7 @@ class Upstream:
                     raise UpstreamError(f"header {name!r}: line breaks are not allowed")
                 lines.append(f"{name}: {value}".encode("latin-1"))
             fixed = b"\r\n".join(lines) + b"\r\nContent-Length: "
-            if not extra:
+            if cached:
                 self._heads[key] = fixed
         return fixed + str(length).encode() + b"\r\n\r\n"
 

@@ -1,4 +1,4 @@
-"""The router's HTTP/1.1 client against real servers on 127.0.0.1.
+"""Tether's HTTP/1.1 client (`http1`) against real servers on 127.0.0.1.
 
 The ordinary cases run against the engine stand-in (uvicorn); the protocol edge cases —
 chunked and until-close bodies, an engine closing an idle connection, silence, garbage,
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from controlplane import upstream
-from controlplane.upstream import (
+from http1 import client as upstream
+from http1.client import (
     STREAM_HIGH_WATER,
     Answer,
     Upstream,
