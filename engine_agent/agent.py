@@ -25,6 +25,7 @@ import signal
 import socket
 import time
 from collections.abc import Iterator
+from email.utils import formatdate
 from typing import Any
 
 import uvicorn
@@ -67,11 +68,40 @@ ENGINE_START_DEADLINE_S = 300.0
 
 
 class _Server(uvicorn.Server):
-    """uvicorn without its own signal handling: the agent owns SIGTERM/SIGINT."""
+    """uvicorn without its own signal handling (the agent owns SIGTERM/SIGINT) and without
+    its tick: uvicorn wakes every 0.1 s to look for an exit and refresh the Date header,
+    which in a process of a thousand agents (the fleet benchmark) is 10,000 wake-ups a
+    second. Here the exit is an event (`stop`) and the Date header a timer once a second."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self._exit = asyncio.Event()
+        self._date: asyncio.TimerHandle | None = None
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+    def stop(self) -> None:
+        """Stop serving: the listening socket closes, requests in flight finish."""
+        self.should_exit = True
+        self._exit.set()
+
+    async def main_loop(self) -> None:
+        self._refresh_date()
+        try:
+            await self._exit.wait()
+        finally:
+            if self._date is not None:
+                self._date.cancel()
+
+    def _refresh_date(self) -> None:
+        date = formatdate(time.time(), usegmt=True).encode()
+        headers = self.config.encoded_headers
+        self.server_state.default_headers = (
+            [(b"date", date), *headers] if self.config.date_header else list(headers)
+        )
+        self._date = asyncio.get_running_loop().call_later(1.0, self._refresh_date)
 
 
 class Agent:
@@ -501,7 +531,7 @@ class Agent:
             await self._shutdown(server, tasks | {stop})
         return code
 
-    async def _shutdown(self, server: uvicorn.Server, tasks: set[asyncio.Task[Any]]) -> None:
+    async def _shutdown(self, server: _Server, tasks: set[asyncio.Task[Any]]) -> None:
         log.info("shutting down")
         started = time.perf_counter()
         if self.control is not None and self.engine_id is not None:
@@ -510,7 +540,7 @@ class Agent:
                 log.info("deregistered engine %s", self.engine_id)
             except ControlPlaneUnavailable as exc:
                 log.warning("could not deregister (the lease will lapse): %s", exc)
-        server.should_exit = True
+        server.stop()
         for task in tasks:
             if task.get_name() != "proxy":
                 task.cancel()

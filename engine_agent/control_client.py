@@ -170,9 +170,10 @@ class ControlClient:
             raise ValueError("ControlClient needs at least one control-plane URL")
         for url in self.urls:
             parts = urlsplit(url)
-            if parts.scheme not in ("http", "https") or not parts.hostname:
+            if parts.scheme not in ("http", "https") or not parts.hostname or parts.username:
                 raise ValueError(
-                    f"control-plane URL {url!r}: expected http://host:port or https://host"
+                    f"control-plane URL {url!r}: expected http://host:port or https://host "
+                    "(no user or password: the agent authenticates with its token)"
                 )
         self._auth: Headers = (("Authorization", f"Bearer {token}"),) if token else ()
         self._transports: list[_Transport] = [
