@@ -4,10 +4,12 @@ Owns measuring, in one process against a bare asyncio HTTP/1.1 server on loopbac
 (`time.process_time`, client and server together) of one small JSON POST (a heartbeat's
 size) made: with `httpx.AsyncClient` as the agent makes it (`base_url` + path), with a new
 connection for every request (what an idle expiry shorter than the heartbeat interval
-costs), with a pre-built absolute URL, and as a hand-written HTTP/1.1 exchange on an
-asyncio stream (the floor). The server's share is the same small amount in every row, so
-differences are the client's. Prints one JSON line. Never asserts; never used outside
-`bench/`.
+costs), with a pre-built absolute URL, with Tether's own client (`http1`), as the agent's
+`ControlClient.heartbeat` makes it now (`http1` plus the wire models), and as a
+hand-written HTTP/1.1 exchange on an asyncio stream (the floor). The server's share is the
+same small amount in every row, so differences are the client's. Prints one JSON line,
+with `httpx_over_control_client`: the agent's call before (httpx, the same wire models)
+over now. Never asserts; never used outside `bench/`.
 
     python -m bench.http_cost [--requests 2000]
 """
@@ -23,7 +25,7 @@ import httpx
 import typer
 
 BODY = b'{"applied_version": 2, "staging_target": null, "in_flight": 0, "engine_reachable": true}'
-REPLY = b'{"target_version": 3, "lease_seconds": 50.0}'
+REPLY = b'{"target_version": 3, "lease_expires_at": 50.0}'
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(
     REPLY
 )
@@ -90,6 +92,7 @@ async def measure(requests: int) -> dict[str, float]:
                 return await client.post(url, content=BODY, headers=headers)
 
             result["httpx_absolute_url_ms"] = await _cpu_ms(requests, post_url)
+        result.update(await _tether_clients(base, requests))
         reader, writer = await asyncio.open_connection("127.0.0.1", url.port)
         request = (
             f"POST {PATH} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
@@ -108,6 +111,48 @@ async def measure(requests: int) -> dict[str, float]:
         await asyncio.wait_for(answers.idle.wait(), 10.0)
     finally:
         server.close()
+    return result
+
+
+async def _tether_clients(base: str, requests: int) -> dict[str, float]:
+    """The `http1` rows: the bare client, the agent's heartbeat through `ControlClient`, and
+    the same heartbeat (wire models included) through httpx, as the agent made it before."""
+    from engine_agent.control_client import ControlClient
+    from http1.client import Upstream
+    from wire import Heartbeat, HeartbeatReply, SyncState
+
+    result: dict[str, float] = {}
+    pool = Upstream(read_timeout_s=10.0, keepalive_s=60.0)
+    head = (("content-type", "application/json"),)
+
+    async def bare() -> object:
+        return await pool.request("POST", base, PATH, BODY, head)
+
+    result["http1_ms"] = await _cpu_ms(requests, bare)
+    await pool.close()
+    beat = Heartbeat(applied_version=2, sync_state=SyncState.READY)
+    control = ControlClient(base, token="t" * 43)
+
+    async def heartbeat() -> object:
+        return await control.heartbeat("e", beat)
+
+    result["control_client_ms"] = await _cpu_ms(requests, heartbeat)
+    await control.close()
+    auth = {"Authorization": "Bearer " + "t" * 43}
+    async with httpx.AsyncClient(base_url=base, headers=auth) as client:
+
+        async def heartbeat_httpx(client: httpx.AsyncClient = client) -> object:
+            reply = await client.post(
+                PATH,
+                content=beat.model_dump_json(),
+                headers={"content-type": "application/json"},
+            )
+            return HeartbeatReply.model_validate_json(reply.content)
+
+        result["control_client_httpx_ms"] = await _cpu_ms(requests, heartbeat_httpx)
+    result["httpx_over_control_client"] = round(
+        result["control_client_httpx_ms"] / result["control_client_ms"], 2
+    )
     return result
 
 

@@ -46,6 +46,13 @@ class ZstdContexts(threading.local):
     gets its own pair.
     """
 
-    def __init__(self, level: int) -> None:
-        self.compressor = zstandard.ZstdCompressor(level=level)
+    def __init__(self, level: int, min_match: int = 0) -> None:
+        """`min_match`: the shortest match the compressor looks for (0: the level's own)."""
+        if min_match:
+            params = zstandard.ZstdCompressionParameters(
+                compression_level=level, min_match=min_match
+            )
+            self.compressor = zstandard.ZstdCompressor(compression_params=params)
+        else:
+            self.compressor = zstandard.ZstdCompressor(level=level)
         self.decompressor = zstandard.ZstdDecompressor()
