@@ -77,9 +77,13 @@ def test_every_engine_of_the_swarm_commits_the_store_s_bytes_despite_a_lying_pee
     assert result["cp_heartbeats"] > 0
     assert result["cp_heartbeat_p99_ms"] is not None
     assert result["cp_wakes"] >= 1
-    # Heartbeats that changed an engine's state were patched into the fleet snapshot; the
+    # Heartbeats that changed an engine's state reached the fleet snapshot: patched in, or
+    # with a read of the changed rows that was due anyway (a publication, a registration,
+    # the periodic refresh). Which of the two takes a given beat depends on timing (on a
+    # busy machine every one may meet a due read), so only their sum is certain; the
     # publications (and the periodic refresh) made it read every row back.
-    assert result["cp_snapshot_patches"] > 0
+    assert result["cp_snapshot_patches"] >= 0
+    assert result["cp_snapshot_patches"] + result["cp_snapshot_changed_reads"] > 0
     assert result["cp_snapshot_reads"] > 0
     assert result["swarm_loop_lag_p99_ms"] is not None
     assert result["swarm_rss_mb_per_agent"] > 0
