@@ -1,7 +1,9 @@
 """The control plane's own side of the engines' latencies, read from its `/metrics`.
 
 Owns scraping the control plane's latency histograms (`tether_heartbeat_seconds`: a
-heartbeat's time in its handler; `tether_target_wake_seconds`: a version's publication, or
+heartbeat's time in its handler; `tether_heartbeat_commit_seconds`: until its lease renewal
+committed, which a beat answered before its commit does not wait for;
+`tether_target_wake_seconds`: a version's publication, or
 the long-poll's arrival if later, until a long-poll answered it), taking the difference of
 two scrapes (one measurement window) and reading quantiles from the buckets the way
 Prometheus' `histogram_quantile` does (linear within a bucket), and reading a counter
@@ -19,7 +21,12 @@ import math
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-HISTOGRAMS = ("tether_heartbeat_seconds", "tether_target_wake_seconds", "tether_gc_pause_seconds")
+HISTOGRAMS = (
+    "tether_heartbeat_seconds",
+    "tether_heartbeat_commit_seconds",
+    "tether_target_wake_seconds",
+    "tether_gc_pause_seconds",
+)
 
 # name → [(upper bound, cumulative count)], the +Inf bucket last.
 Buckets = dict[str, list[tuple[float, float]]]

@@ -378,6 +378,7 @@ def _measure(config: FleetConfig, work: Path, say: Callable[[str], None]) -> dic
         pool.record(True)
         cp_before = cp_latency.scrape(stack.url)
         snapshots0 = _snapshot_counts(stack.url)
+        first0 = cp_latency.counter(stack.url, ANSWERED_FIRST)
         cpu0, wall0 = stack.controlplane_cpu_s(), time.perf_counter()
         for _ in range(config.versions):
             egress0, kinds0 = pool.egress.bytes, pool.egress.by_kind()
@@ -422,6 +423,7 @@ def _measure(config: FleetConfig, work: Path, say: Callable[[str], None]) -> dic
         pool.record(False)
         cp_seen = cp_latency.window(cp_before, cp_latency.scrape(stack.url))
         snapshots = {how: n - snapshots0[how] for how, n in _snapshot_counts(stack.url).items()}
+        answered_first = cp_latency.counter(stack.url, ANSWERED_FIRST) - first0
         began = time.perf_counter()
         summaries = pool.stop()
         say(f"{config.engines} agents stopped in {time.perf_counter() - began:.1f}s")
@@ -430,6 +432,7 @@ def _measure(config: FleetConfig, work: Path, say: Callable[[str], None]) -> dic
         beats = [b for s in summaries for b in s["heartbeat_s"]]
         lag = [x for s in summaries for x in s["loop_lag_s"]]
         cp_beats = cp_seen["tether_heartbeat_seconds"]
+        cp_commits = cp_seen["tether_heartbeat_commit_seconds"]
         cp_wakes = cp_seen["tether_target_wake_seconds"]
         cp_gc = cp_seen["tether_gc_pause_seconds"]
 
@@ -500,6 +503,11 @@ def _measure(config: FleetConfig, work: Path, say: Callable[[str], None]) -> dic
             "cp_heartbeats": cp_latency.count(cp_beats),
             "cp_heartbeat_p50_ms": _ms(cp_latency.quantile(cp_beats, 0.5)),
             "cp_heartbeat_p99_ms": _ms(cp_latency.quantile(cp_beats, 0.99)),
+            # Beats answered before their commit (a batch was being written), and how long
+            # after its arrival each beat's lease renewal was committed.
+            "cp_heartbeats_answered_first": int(answered_first),
+            "cp_heartbeat_commit_p50_ms": _ms(cp_latency.quantile(cp_commits, 0.5)),
+            "cp_heartbeat_commit_p99_ms": _ms(cp_latency.quantile(cp_commits, 0.99)),
             "cp_wakes": cp_latency.count(cp_wakes),
             "cp_wake_p50_ms": _ms(cp_latency.quantile(cp_wakes, 0.5)),
             "cp_wake_p99_ms": _ms(cp_latency.quantile(cp_wakes, 0.99)),
@@ -545,6 +553,7 @@ def _measure(config: FleetConfig, work: Path, say: Callable[[str], None]) -> dic
 # The control plane's own reads of the store (its copy of each version's claim and index).
 STORE_READS = "tether_store_read_bytes_total"
 SNAPSHOTS = "tether_fleet_snapshots_total"
+ANSWERED_FIRST = "tether_heartbeats_answered_first_total"
 
 
 def _snapshot_counts(url: str) -> dict[str, int]:
@@ -760,7 +769,9 @@ def run(
             f"{result['converged_p99_over_single']}× one engine ({result['single_catchup_s']:.2f}s)"
             f"; store egress {result['store_egress_over_version_bytes']}× the version; "
             f"heartbeat p99 {result['heartbeat_p99_ms']} ms (control plane's side "
-            f"{result['cp_heartbeat_p99_ms']} ms); wake p99 {result['wake_p99_ms']} ms "
+            f"{result['cp_heartbeat_p99_ms']} ms, {result['cp_heartbeats_answered_first']} "
+            f"answered before their commit, commit p99 {result['cp_heartbeat_commit_p99_ms']} "
+            f"ms); wake p99 {result['wake_p99_ms']} ms "
             f"(control plane's side {result['cp_wake_p99_ms']} ms); swarm loop lag p99 "
             f"{result['swarm_loop_lag_p99_ms']} ms; control plane "
             f"{result['controlplane_cpu_cores']} cores, swarm {result['swarm_cpu_cores']} cores "

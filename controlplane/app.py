@@ -414,17 +414,24 @@ def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:
         cp.fleet.note_departed(engine_id)
         return Response(status_code=204)
 
+    # Heartbeats may be answered before their commit: the listings wait for those commits,
+    # so an engine (or its operator) reads its own beats back.
     @app.get("/v1/engines", response_model=EngineList, tags=["engines"])
-    def list_engines(run_id: str | None = None, _: Role = Depends(role(ANY_ROLE))) -> EngineList:
-        rows = [r for r in cp.registry.rows() if run_id is None or r.run_id == run_id]
+    async def list_engines(
+        run_id: str | None = None, _: Role = Depends(role(ANY_ROLE))
+    ) -> EngineList:
+        await cp.heartbeats.writer.flushed()
+        rows = await asyncio.to_thread(cp.registry.rows)
+        rows = [r for r in rows if run_id is None or r.run_id == run_id]
         snap = cp.fleet.snapshot
         return EngineList(
             engines=[_engine_info(r, snap.target_for(r.engine_id, r.run_id)) for r in rows]
         )
 
     @app.get("/v1/engines/{engine_id}", response_model=EngineInfo, tags=["engines"])
-    def get_engine(engine_id: str, _: Role = Depends(role(ANY_ROLE))) -> EngineInfo:
-        rows = cp.registry.rows(engine_id)
+    async def get_engine(engine_id: str, _: Role = Depends(role(ANY_ROLE))) -> EngineInfo:
+        await cp.heartbeats.writer.flushed()
+        rows = await asyncio.to_thread(cp.registry.rows, engine_id)
         if not rows:
             raise EngineUnknown(f"engine {engine_id!r} is not registered or its lease lapsed")
         return _engine_info(rows[0], cp.fleet.snapshot.target_for(engine_id, rows[0].run_id))

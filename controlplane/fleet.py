@@ -276,12 +276,8 @@ class Fleet:
         the fetch plan, one per engine per version, read no row; from the database for an
         engine registered since the read, or deregistered here since (one deregistered
         through another replica is seen with that replica's writes, on the next read)."""
-        seen = self.snapshot.engines.get(engine_id)
-        if (
-            seen is not None
-            and seen.lease_expires_at > time.time()
-            and engine_id not in self._departed
-        ):
+        seen = self.leased(engine_id)
+        if seen is not None:
             return seen.run_id
         rows = await asyncio.to_thread(self.registry.rows, engine_id)
         if not rows:
@@ -289,6 +285,19 @@ class Fleet:
                 f"engine {engine_id!r} is not registered or its lease lapsed: register again"
             )
         return str(rows[0].run_id)
+
+    def leased(self, engine_id: str, until: float | None = None) -> EngineView | None:
+        """The engine as the snapshot shows it if its lease there lasts past `until` (default
+        now) and it was not deregistered here since the read; else None. A lease alive in
+        the snapshot is alive in the database too: leases only move forward."""
+        seen = self.snapshot.engines.get(engine_id)
+        if (
+            seen is None
+            or seen.lease_expires_at <= (time.time() if until is None else until)
+            or engine_id in self._departed
+        ):
+            return None
+        return seen
 
     def call_soon(self, callback: Callable[[], None]) -> None:
         """Run `callback` on the event loop; safe from worker threads (sync routes)."""

@@ -15,6 +15,7 @@ never decides targets.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -25,6 +26,7 @@ import orjson
 from controlplane.background import BackgroundTask
 from controlplane.errors import ApiError, EngineUnknown
 from controlplane.fleet import Fleet
+from controlplane.metrics import Metrics
 from controlplane.outage import DATABASE_ERRORS, Outage, is_database_down
 from controlplane.registry import Registry
 from controlplane.runs import Runs
@@ -37,6 +39,9 @@ log = logging.getLogger(__name__)
 Beat = tuple[str, Heartbeat, str | None]
 # SQLite and PostgreSQL both take a few hundred short UPDATEs in one transaction easily.
 MAX_BATCH = 500
+# A beat is answered before its commit only if the snapshot shows its lease alive this
+# much longer: ample for the batches ahead of it to be written.
+ANSWER_FIRST_MARGIN_S = 5.0
 
 
 class GroupCommit:
@@ -54,6 +59,13 @@ class GroupCommit:
         self._wake: asyncio.Event | None = None
         self._task = BackgroundTask("heartbeat-writer", self._writer)
         self._thread: ThreadPoolExecutor | None = None
+        self._writing = False
+        # The waiter of the beat queued last: batches are written in order (`flushed`).
+        self._last: asyncio.Future[float | None] | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._task.running and self._wake is not None
 
     async def start(self) -> None:
         self._wake = asyncio.Event()
@@ -75,10 +87,24 @@ class GroupCommit:
         """The new lease expiry of this beat's engine, or None if it is unknown."""
         if not self._task.running or self._wake is None:
             return (await asyncio.to_thread(self._write, [beat]))[0]
+        return await self.enqueue(beat)
+
+    def enqueue(self, beat: Beat) -> asyncio.Future[float | None]:
+        """Queue `beat` for the next batch (the writer must be running); the future gets
+        what `submit` would return, or the write's exception."""
+        assert self._wake is not None, "the heartbeat writer is not running"
         waiter: asyncio.Future[float | None] = asyncio.get_running_loop().create_future()
         self._pending.append((beat, waiter))
+        self._last = waiter
         self._wake.set()
-        return await waiter
+        return waiter
+
+    async def flushed(self) -> None:
+        """Return once every beat queued before this call has been written (or failed):
+        a read of the database after it sees them."""
+        last = self._last
+        if last is not None and not last.done():
+            await asyncio.wait([last])
 
     async def _writer(self) -> None:
         assert self._wake is not None and self._thread is not None
@@ -89,6 +115,7 @@ class GroupCommit:
             while self._pending:
                 batch = self._pending[: self._max_batch]
                 del self._pending[: self._max_batch]
+                self._writing = True
                 try:
                     results = await loop.run_in_executor(
                         thread, self._write, [beat for beat, _ in batch]
@@ -100,13 +127,31 @@ class GroupCommit:
                         if not waiter.done():
                             waiter.set_exception(exc)
                     continue
+                finally:
+                    self._writing = False
                 for (_, waiter), result in zip(batch, results, strict=True):
                     if not waiter.done():
                         waiter.set_result(result)
 
 
 class Heartbeats:
-    """Renews leases through the group commit and answers with the engine's target."""
+    """Renews leases through the group commit and answers with the engine's target.
+
+    A beat whose engine the fleet snapshot shows leased to the sender (for
+    `ANSWER_FIRST_MARGIN_S` more at least) is answered at once and committed behind: its
+    lease is alive in the database already (leases only move forward), so the answer says
+    what the commit will, a moment later. When a version lands, every engine of the fleet
+    turns syncing and beats within a few hundred ms, and beats that waited for their commit
+    queued behind batches that took up to 0.2 s each on a busy core (p99 0.4-0.6 s at 1,000
+    engines). The beat's state still reaches the snapshot after its commit, and the engine
+    listings wait for the commits queued before them (`GroupCommit.flushed`), so nobody
+    reads a state the database does not hold. A beat waits for its commit when its engine
+    is not in the snapshot (registered since its read), is another token's, is in an
+    outage, or had a beat answered first that its commit refused (deregistered through
+    another replica since the read): that one gets the 404 that makes it register anew. A
+    failed commit (the database went away) is an outage, whose recovery renews the leases
+    it would have let lapse.
+    """
 
     def __init__(
         self,
@@ -114,15 +159,16 @@ class Heartbeats:
         runs: Runs,
         fleet: Fleet,
         outage: Outage,
-        observe: Callable[[float], None] = lambda _seconds: None,
+        metrics: Metrics | None = None,
     ) -> None:
-        """`observe` is told each answered beat's seconds in this process (a histogram)."""
         self.registry = registry
         self.runs = runs
         self.fleet = fleet
         self.outage = outage
         self.writer = GroupCommit(self._write)
-        self._observe = observe
+        self.metrics = metrics or Metrics()
+        # Engines whose beat, answered first, the commit refused: they wait for commits.
+        self._refused: set[str] = set()
         # Told of every fetch report a heartbeat carries (the convergence record).
         self.fetch_observers: list[Callable[[EngineView, FetchReport], None]] = []
 
@@ -139,16 +185,74 @@ class Heartbeats:
             raise
 
     async def answer(self, engine_id: str, beat: Heartbeat, owner: str | None = None) -> bytes:
-        """The JSON reply (`HeartbeatReply`) to one heartbeat, after its commit. `owner`:
-        the sender's token hash (None for an admin); only the engine's owner renews it."""
+        """The JSON reply (`HeartbeatReply`) to one heartbeat, before or after its commit
+        (see the class). `owner`: the sender's token hash (None for an admin); only the
+        engine's owner renews it."""
         arrived = time.perf_counter()
-        expires = await self.writer.submit((engine_id, beat, owner))
+        first = self._answer_first(engine_id, owner)
+        if first is not None:
+            expires = time.time() + self.registry.lease_seconds
+            self.writer.enqueue((engine_id, beat, owner)).add_done_callback(
+                functools.partial(self._committed_behind, engine_id, beat, arrived)
+            )
+            seen: EngineView | None = first
+            target = self.fleet.snapshot.targets.get(engine_id)
+        else:
+            committed = await self.writer.submit((engine_id, beat, owner))
+            if committed is None:
+                # EngineNotOwned (403) or EngineUnknown (404): the failure path reads the row.
+                await asyncio.to_thread(self.registry.owned, engine_id, owner)
+                raise EngineUnknown(f"engine {engine_id!r} is not registered: register again")
+            expires = committed
+            self._refused.discard(engine_id)
+            self.metrics.heartbeat_commit.observe(time.perf_counter() - arrived)
+            snap = self.fleet.snapshot
+            seen = snap.engines.get(engine_id)
+            self._committed(engine_id, beat, expires, seen)
+            if seen is not None:
+                target = snap.targets.get(engine_id)
+            else:
+                # Registered after the snapshot was built: it follows the latest version.
+                target = await asyncio.to_thread(self._latest_for, engine_id)
+        if seen is not None and beat.fetched is not None:
+            for observer in self.fetch_observers:
+                observer(seen, beat.fetched)
+        self.metrics.heartbeat.observe(time.perf_counter() - arrived)
+        return orjson.dumps({"target_version": target, "lease_expires_at": expires})
+
+    def _answer_first(self, engine_id: str, owner: str | None) -> EngineView | None:
+        """The engine's snapshot view if this beat may be answered before its commit."""
+        if not self.writer.running or engine_id in self._refused or not self.outage.settled():
+            return None
+        seen = self.fleet.leased(engine_id, until=time.time() + ANSWER_FIRST_MARGIN_S)
+        if seen is None or not (owner is None or seen.owner is None or seen.owner == owner):
+            return None
+        self.metrics.heartbeats_answered_first.inc()
+        return seen
+
+    def _committed_behind(
+        self, engine_id: str, beat: Heartbeat, arrived: float, done: asyncio.Future[float | None]
+    ) -> None:
+        """The commit of a beat answered first (on the event loop)."""
+        if done.cancelled() or done.exception() is not None:
+            return  # the writer logged it; an outage renews the leases it let lapse
+        expires = done.result()
         if expires is None:
-            # EngineNotOwned (403) or EngineUnknown (404): the failure path reads the row.
-            await asyncio.to_thread(self.registry.owned, engine_id, owner)
-            raise EngineUnknown(f"engine {engine_id!r} is not registered: register again")
-        snap = self.fleet.snapshot
-        seen = snap.engines.get(engine_id)
+            log.info(
+                "engine %s: a heartbeat answered before its commit was refused by it; its "
+                "next ones wait for their commits",
+                engine_id,
+            )
+            self._refused.add(engine_id)
+            self.fleet.mark_dirty()
+            return
+        self.metrics.heartbeat_commit.observe(time.perf_counter() - arrived)
+        self._committed(engine_id, beat, expires, self.fleet.snapshot.engines.get(engine_id))
+
+    def _committed(
+        self, engine_id: str, beat: Heartbeat, expires: float, seen: EngineView | None
+    ) -> None:
+        """Signal the committed `beat`'s change of state to the snapshot, if it has one."""
         if seen is None:
             self.fleet.mark_dirty()
         elif (
@@ -157,16 +261,6 @@ class Heartbeats:
             or seen.staging_target != beat.staging_target
         ):
             self.fleet.note_beat(engine_id, beat, expires)
-        if seen is not None and beat.fetched is not None:
-            for observer in self.fetch_observers:
-                observer(seen, beat.fetched)
-        if seen is not None:
-            target = snap.targets.get(engine_id)
-        else:
-            # Registered after the snapshot was built: it follows the latest version.
-            target = await asyncio.to_thread(self._latest_for, engine_id)
-        self._observe(time.perf_counter() - arrived)
-        return orjson.dumps({"target_version": target, "lease_expires_at": expires})
 
     def _latest_for(self, engine_id: str) -> int | None:
         rows = self.registry.rows(engine_id)

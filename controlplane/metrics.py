@@ -103,8 +103,21 @@ class Metrics:
         # starved agent) is never read as a slow control plane.
         self.heartbeat = Histogram(
             "tether_heartbeat_seconds",
-            "Seconds from a heartbeat reaching its handler until its reply (group commit included)",
+            "Seconds from a heartbeat reaching its handler until its reply (its group commit "
+            "included, unless it was answered before it)",
             buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.heartbeat_commit = Histogram(
+            "tether_heartbeat_commit_seconds",
+            "Seconds from a heartbeat reaching its handler until its lease renewal committed",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.heartbeats_answered_first = Counter(
+            "tether_heartbeats_answered_first_total",
+            "Heartbeats answered before their commit (the fleet snapshot showed the engine "
+            "leased to the sender)",
             registry=self.registry,
         )
         # Observed inside the cycle collector (`controlplane.collector`): lock-free.

@@ -357,6 +357,7 @@ class Registry:
                     EngineRow.last_error,
                     EngineRow.engine_kind,
                     EngineRow.registered_at,
+                    EngineRow.owner,
                 ).where(EngineRow.lease_expires_at > now, written)
             ).all()
         return [
@@ -378,6 +379,7 @@ class Registry:
                 last_error=r[14],
                 engine_kind=r[15],
                 registered_at=r[16],
+                owner=r[17],
             )
             for r in rows
         ]

@@ -83,7 +83,7 @@ class Services:
             runs=runs,
             fleet=fleet,
             metrics=metrics,
-            heartbeats=Heartbeats(registry, runs, fleet, outage, metrics.heartbeat.observe),
+            heartbeats=Heartbeats(registry, runs, fleet, outage, metrics),
             catalog=catalog,
             outage=outage,
             store_sync=store_sync,

@@ -43,6 +43,9 @@ class EngineView:
     # When the engine first registered from its URL (kept while it registers again from
     # it): fetch plans place engines that came after a version's publication by it.
     registered_at: float = 0.0
+    # The hash of the token that registered it (None: an admin's); only that token (or an
+    # admin) renews its lease. Heartbeats read it to answer before their commit.
+    owner: str | None = field(default=None, repr=False)
 
     @property
     def serving(self) -> bool:

@@ -1,5 +1,6 @@
 """What keeps the control plane's event loop and heartbeats responsive at fleet scale: the
-heartbeat writer never queues behind other routes' work in the shared thread pool, a
+heartbeat writer never queues behind other routes' work in the shared thread pool, a beat
+is answered before its commit where the snapshot shows its engine leased to the sender, a
 snapshot swap wakes the waiting target long-polls only when an answer could change (and
 nothing else wakes a parked one), and this process's heartbeats are patched into the
 snapshot rather than read back whole."""
@@ -7,6 +8,7 @@ snapshot rather than read back whole."""
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -14,9 +16,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
+import orjson
 import pytest
 
 from controlplane.db import migrate, open_engine, session_factory
+from controlplane.errors import EngineNotOwned, EngineUnknown
 from controlplane.fleet import Fleet
 from controlplane.heartbeats import GroupCommit, Heartbeats
 from controlplane.long_poll import long_poll
@@ -26,7 +30,7 @@ from controlplane.router import eligible
 from controlplane.runs import Runs
 from controlplane.snapshot import FleetSnapshot
 from store.types import VersionConstraint
-from wire import EngineRegister, Heartbeat, RunCreate
+from wire import EngineRegister, Heartbeat, RunCreate, SyncState
 
 DEADLINE_S = 30.0
 
@@ -45,7 +49,7 @@ def stores(tmp_path: Path) -> Iterator[tuple[Registry, Runs]]:
     engine.dispose()
 
 
-def register(registry: Registry, host: int = 1) -> str:
+def register(registry: Registry, host: int = 1, owner: str | None = None) -> str:
     body = EngineRegister(
         url=f"http://10.0.0.{host}:8000",
         run_id="r",
@@ -53,7 +57,7 @@ def register(registry: Registry, host: int = 1) -> str:
         applied_version=0,
         sync_state="ready",
     )
-    return registry.register(body, None)[0]
+    return registry.register(body, owner)[0]
 
 
 async def until(check: Callable[[], bool], what: str) -> None:
@@ -305,6 +309,98 @@ def test_a_deregistration_in_this_process_is_read_whole_at_once(
             )
             assert snapshots(metrics, "read") >= 2
         finally:
+            await fleet.stop()
+
+    asyncio.run(scenario())
+
+
+def counted(metrics: Metrics, name: str) -> float:
+    return metrics.registry.get_sample_value(name) or 0.0
+
+
+def test_a_beat_of_an_engine_the_snapshot_shows_leased_to_its_sender_is_answered_first(
+    stores: tuple[Registry, Runs], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    registry, runs = stores
+    owner = "a" * 64
+    departed, owned = (register(registry, host, owner) for host in (1, 2))
+    # Each batch's write waits for a token: the test decides when a commit happens.
+    tokens: queue.Queue[None] = queue.Queue()
+    renew = registry.heartbeat_many
+
+    def gated(*args: object, **kwargs: object) -> list[float | None]:
+        tokens.get(timeout=DEADLINE_S)
+        return renew(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(registry, "heartbeat_many", gated)
+    ready = Heartbeat.model_validate({"applied_version": 0, "sync_state": "ready"})
+    syncing = Heartbeat.model_validate(
+        {"applied_version": 0, "sync_state": "syncing", "staging_target": 1}
+    )
+    metrics = Metrics()
+    fleet = Fleet(registry, runs, metrics, refresh_s=3600.0)
+    heartbeats = Heartbeats(registry, runs, fleet, fleet.outage, metrics)
+
+    def answered_first() -> float:
+        return counted(metrics, "tether_heartbeats_answered_first_total")
+
+    async def committed(beat: asyncio.Future[bytes]) -> bytes:
+        """The answer of a beat that waits for its commit: one batch, one token."""
+        tokens.put(None)
+        return await asyncio.wait_for(beat, DEADLINE_S)
+
+    async def scenario() -> None:
+        await fleet.start()
+        await heartbeats.writer.start()
+        try:
+            answer = await asyncio.wait_for(heartbeats.answer(owned, syncing, owner), DEADLINE_S)
+            assert orjson.loads(answer)["lease_expires_at"] > time.time() + 50
+            assert answered_first() == 1
+            # Not committed yet, so neither the database nor the snapshot shows it...
+            assert registry.rows(owned)[0].sync_state == SyncState.READY.value
+            assert fleet.snapshot.engines[owned].sync_state == SyncState.READY
+            # ...and a listing waits for its commit, so it reads the beat back.
+            flushed = asyncio.ensure_future(heartbeats.writer.flushed())
+            await asyncio.sleep(0)
+            assert not flushed.done()
+            tokens.put(None)
+            await asyncio.wait_for(flushed, DEADLINE_S)
+            assert registry.rows(owned)[0].sync_state == SyncState.SYNCING.value
+            await until(
+                lambda: fleet.snapshot.engines[owned].sync_state == SyncState.SYNCING,
+                "the answered beat's commit reaching the snapshot",
+            )
+            assert counted(metrics, "tether_heartbeat_commit_seconds_count") == 1
+
+            # Another token's beat waits for its commit, which refuses it.
+            stranger = asyncio.ensure_future(heartbeats.answer(owned, ready, "b" * 64))
+            with pytest.raises(EngineNotOwned):
+                await committed(stranger)
+            assert answered_first() == 1
+
+            # Deleted behind the snapshot's back (as through another replica): answered
+            # first once; its commit refuses it, and its next beat waits and gets the 404.
+            registry.deregister(departed)
+            await asyncio.wait_for(heartbeats.answer(departed, ready, owner), DEADLINE_S)
+            assert answered_first() == 2
+            reads = snapshots(metrics, "changed")
+            tokens.put(None)
+            await until(
+                lambda: snapshots(metrics, "changed") > reads,
+                "the refused commit making the snapshot read the database",
+            )
+            with pytest.raises(EngineUnknown):
+                await committed(asyncio.ensure_future(heartbeats.answer(departed, ready, owner)))
+            assert answered_first() == 2
+
+            # In a database outage every beat waits for its commit.
+            fleet.outage.failed(RuntimeError("database away"), "the test")
+            await committed(asyncio.ensure_future(heartbeats.answer(owned, ready, owner)))
+            assert answered_first() == 2
+        finally:
+            for _ in range(8):
+                tokens.put(None)
+            await heartbeats.writer.stop()
             await fleet.stop()
 
     asyncio.run(scenario())
