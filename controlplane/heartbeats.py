@@ -243,7 +243,10 @@ class Heartbeats:
                 "next ones wait for their commits",
                 engine_id,
             )
-            self._refused.add(engine_id)
+            # An engine that left the snapshot waits for its commits anyway: keep only the
+            # entries that still matter, so the set never outgrows the fleet.
+            engines = self.fleet.snapshot.engines
+            self._refused = {e for e in self._refused if e in engines} | {engine_id}
             self.fleet.mark_dirty()
             return
         self.metrics.heartbeat_commit.observe(time.perf_counter() - arrived)
