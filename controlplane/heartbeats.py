@@ -139,13 +139,15 @@ class Heartbeats:
 
     A beat whose engine the fleet snapshot shows leased to the sender (for
     `ANSWER_FIRST_MARGIN_S` more at least) is answered at once and committed behind: its
-    lease is alive in the database already (leases only move forward), so the answer says
-    what the commit will, a moment later. When a version lands, every engine of the fleet
+    lease is alive in the database already (leases only move forward), and the answer's
+    lease end (the time of the answer plus the lease) is one the commit, a moment later,
+    only extends. When a version lands, every engine of the fleet
     turns syncing and beats within a few hundred ms, and beats that waited for their commit
     queued behind batches that took up to 0.2 s each on a busy core (p99 0.4-0.6 s at 1,000
     engines). The beat's state still reaches the snapshot after its commit, and the engine
     listings wait for the commits queued before them (`GroupCommit.flushed`), so nobody
-    reads a state the database does not hold. A beat waits for its commit when its engine
+    reads back from this process a state the database does not hold yet (another replica
+    may read it a moment before the commit). A beat waits for its commit when its engine
     is not in the snapshot (registered since its read), is another token's, is in an
     outage, or had a beat answered first that its commit refused (deregistered through
     another replica since the read): that one gets the 404 that makes it register anew. A
