@@ -7,9 +7,11 @@ connection for every request (what an idle expiry shorter than the heartbeat int
 costs), with a pre-built absolute URL, with Tether's own client (`http1`), as the agent's
 `ControlClient.heartbeat` makes it now (`http1` plus the wire models), and as a
 hand-written HTTP/1.1 exchange on an asyncio stream (the floor). The server's share is the
-same small amount in every row, so differences are the client's. Prints one JSON line,
-with `httpx_over_control_client`: the agent's call before (httpx, the same wire models)
-over now. Never asserts; never used outside `bench/`.
+same small amount in every row, so differences are the client's. Also the ASGI side of an
+agent's answer to a peer file GET, before (Starlette's `StreamingResponse`) and now
+(`peer_server.send_stream`), with no network. Prints one JSON line, with
+`httpx_over_control_client`: the agent's call before (httpx, the same wire models) over
+now, and `starlette_over_peer_answer`. Never asserts; never used outside `bench/`.
 
     python -m bench.http_cost [--requests 2000]
 """
@@ -19,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
 import typer
@@ -93,6 +95,7 @@ async def measure(requests: int) -> dict[str, float]:
 
             result["httpx_absolute_url_ms"] = await _cpu_ms(requests, post_url)
         result.update(await _tether_clients(base, requests))
+        result.update(await _peer_answers(requests))
         reader, writer = await asyncio.open_connection("127.0.0.1", url.port)
         request = (
             f"POST {PATH} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
@@ -152,6 +155,55 @@ async def _tether_clients(base: str, requests: int) -> dict[str, float]:
         result["control_client_httpx_ms"] = await _cpu_ms(requests, heartbeat_httpx)
     result["httpx_over_control_client"] = round(
         result["control_client_httpx_ms"] / result["control_client_ms"], 2
+    )
+    return result
+
+
+async def _peer_answers(requests: int) -> dict[str, float]:
+    """The ASGI side of a peer file GET, no network: one small file (14 paced pieces of 1
+    KiB, as an agent's `PeerServer` sends one) through Starlette's `StreamingResponse`, as
+    before, and through `peer_server.send_stream`, as the agent's peer front sends it now.
+    The caller stays (its `receive` waits), as callers do."""
+    from fastapi.responses import StreamingResponse
+
+    from engine_agent.peer_server import send_stream
+
+    piece = b"x" * 1024
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}}
+    stays = asyncio.Event()
+    asked = {"sent": False}
+
+    async def receive() -> dict[str, object]:
+        if not asked["sent"]:
+            asked["sent"] = True
+            return {"type": "http.request", "body": b"", "more_body": False}
+        await stays.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(_message: object) -> None:
+        pass
+
+    async def pieces() -> AsyncIterator[bytes]:
+        for _ in range(14):
+            yield piece
+
+    def response() -> StreamingResponse:
+        asked["sent"] = False
+        headers = {"Content-Length": str(14 * len(piece))}
+        return StreamingResponse(pieces(), headers=headers, media_type="application/octet-stream")
+
+    async def starlette() -> None:
+        await response()(scope, receive, send)
+
+    async def ours() -> None:
+        await send_stream(response(), receive, send)
+
+    result = {
+        "peer_answer_starlette_ms": await _cpu_ms(requests, starlette),
+        "peer_answer_ms": await _cpu_ms(requests, ours),
+    }
+    result["starlette_over_peer_answer"] = round(
+        result["peer_answer_starlette_ms"] / result["peer_answer_ms"], 2
     )
     return result
 

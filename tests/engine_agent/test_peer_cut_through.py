@@ -29,6 +29,7 @@ from store.layout import version_file_key
 from store.manifest import INDEX_FILENAME
 from store.partial_file import PartialFile
 from store.sources import HttpSource, SourcedFetch
+from store.sources.http import PARTIAL_HEADER, WAIT_HEADER
 from store.store import Store
 from store.tensors import RawTensor
 from store.types import VersionRef
@@ -359,3 +360,32 @@ def test_bytes_forwarded_from_a_copy_that_then_failed_its_digest_are_thrown_away
     # whole file assembled from two sources.
     assert 0 < child.sourced.bytes_rejected < held
     assert child.sourced.bytes_from["store"] >= held
+
+
+def test_a_caller_that_leaves_a_forward_frees_the_upload_slot_while_the_bytes_are_awaited(
+    tree: Tree,
+) -> None:
+    # The parent's own source sends nothing yet, so its forward to the caller waits for
+    # bytes (for up to ten stall-plus-wait times). A caller that hangs up must free the
+    # upload slot then, not when the bytes come or the patience runs out.
+    tree.upstream.hold_first = True
+    servers: list[PeerServer] = []
+    with serving_peer(tree.parent, servers.append) as parent_url:
+        parent = Catchup(tree.parent, HttpSource(tree.upstream.url, stall_s=30))
+        assert tree.upstream.half_sent.wait(DEADLINE_S), "the parent never asked"
+        port = int(parent_url.split(":")[2].split("/")[0])
+        path = f"{PEER_FILES_PATH}/{tree.upstream.held}"
+        caller = socket.create_connection(("127.0.0.1", port), timeout=DEADLINE_S)
+        caller.sendall(
+            f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer engine-token\r\n"
+            f"{WAIT_HEADER}: {DEADLINE_S}\r\n\r\n".encode()
+        )
+        head = caller.recv(4096)
+        assert head.startswith(b"HTTP/1.1 200"), head
+        assert f"{PARTIAL_HEADER.lower()}: 1".encode() in head.lower()
+        wait_until(lambda: servers[0].uploading == 1, DEADLINE_S, "the forward to start")
+        caller.close()
+        wait_until(lambda: servers[0].uploading == 0, DEADLINE_S, "the slot to be freed")
+        tree.upstream.release.set()
+        assert same_tensors(parent.result(), tree.history[0])
+    assert servers[0].status.served_files == 0
