@@ -59,7 +59,6 @@ class GroupCommit:
         self._wake: asyncio.Event | None = None
         self._task = BackgroundTask("heartbeat-writer", self._writer)
         self._thread: ThreadPoolExecutor | None = None
-        self._writing = False
         # The waiter of the beat queued last: batches are written in order (`flushed`).
         self._last: asyncio.Future[float | None] | None = None
 
@@ -115,7 +114,6 @@ class GroupCommit:
             while self._pending:
                 batch = self._pending[: self._max_batch]
                 del self._pending[: self._max_batch]
-                self._writing = True
                 try:
                     results = await loop.run_in_executor(
                         thread, self._write, [beat for beat, _ in batch]
@@ -127,8 +125,6 @@ class GroupCommit:
                         if not waiter.done():
                             waiter.set_exception(exc)
                     continue
-                finally:
-                    self._writing = False
                 for (_, waiter), result in zip(batch, results, strict=True):
                     if not waiter.done():
                         waiter.set_result(result)
@@ -141,18 +137,19 @@ class Heartbeats:
     `ANSWER_FIRST_MARGIN_S` more at least) is answered at once and committed behind: its
     lease is alive in the database already (leases only move forward), and the answer's
     lease end (the time of the answer plus the lease) is one the commit, a moment later,
-    only extends. When a version lands, every engine of the fleet
-    turns syncing and beats within a few hundred ms, and beats that waited for their commit
-    queued behind batches that took up to 0.2 s each on a busy core (p99 0.4-0.6 s at 1,000
-    engines). The beat's state still reaches the snapshot after its commit, and the engine
-    listings wait for the commits queued before them (`GroupCommit.flushed`), so nobody
-    reads back from this process a state the database does not hold yet (another replica
-    may read it a moment before the commit). A beat waits for its commit when its engine
-    is not in the snapshot (registered since its read), is another token's, is in an
-    outage, or had a beat answered first that its commit refused (deregistered through
-    another replica since the read): that one gets the 404 that makes it register anew. A
-    failed commit (the database went away) is an outage, whose recovery renews the leases
-    it would have let lapse.
+    only extends. When a version lands, every engine of the fleet turns syncing and beats
+    within a few hundred ms; beats that waited for their commit queued behind batches
+    that took up to 0.2 s each on a busy core (p99 0.4-0.8 s at 1,000 engines).
+
+    The beat's state still reaches the snapshot after its commit, and the engine listings
+    wait for the commits queued before them (`GroupCommit.flushed`), so nobody reads back
+    from this process a state the database does not hold yet (another replica may read it
+    a moment before the commit). A beat waits for its commit when its engine is not in the
+    snapshot (registered since its read), is another token's, is in an outage, or had a
+    beat answered first that its commit refused (deregistered through another replica
+    since the read): that one gets the 404 that makes it register anew. A failed commit
+    (the database went away) is an outage, whose recovery renews the leases it would have
+    let lapse.
     """
 
     def __init__(
