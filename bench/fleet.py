@@ -503,8 +503,8 @@ def _measure(config: FleetConfig, work: Path, say: Callable[[str], None]) -> dic
             "cp_heartbeats": cp_latency.count(cp_beats),
             "cp_heartbeat_p50_ms": _ms(cp_latency.quantile(cp_beats, 0.5)),
             "cp_heartbeat_p99_ms": _ms(cp_latency.quantile(cp_beats, 0.99)),
-            # Beats answered before their commit (a batch was being written), and how long
-            # after its arrival each beat's lease renewal was committed.
+            # Beats answered before their commit (the snapshot showed the lease), and how
+            # long after its arrival each beat's lease renewal was committed.
             "cp_heartbeats_answered_first": int(answered_first),
             "cp_heartbeat_commit_p50_ms": _ms(cp_latency.quantile(cp_commits, 0.5)),
             "cp_heartbeat_commit_p99_ms": _ms(cp_latency.quantile(cp_commits, 0.99)),

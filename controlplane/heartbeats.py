@@ -84,7 +84,7 @@ class GroupCommit:
 
     async def submit(self, beat: Beat) -> float | None:
         """The new lease expiry of this beat's engine, or None if it is unknown."""
-        if not self._task.running or self._wake is None:
+        if not self.running:
             return (await asyncio.to_thread(self._write, [beat]))[0]
         return await self.enqueue(beat)
 
@@ -190,6 +190,7 @@ class Heartbeats:
         arrived = time.perf_counter()
         first = self._answer_first(engine_id, owner)
         if first is not None:
+            self.metrics.heartbeats_answered_first.inc()
             expires = time.time() + self.registry.lease_seconds
             self.writer.enqueue((engine_id, beat, owner)).add_done_callback(
                 functools.partial(self._committed_behind, engine_id, beat, arrived)
@@ -203,11 +204,9 @@ class Heartbeats:
                 await asyncio.to_thread(self.registry.owned, engine_id, owner)
                 raise EngineUnknown(f"engine {engine_id!r} is not registered: register again")
             expires = committed
-            self._refused.discard(engine_id)
-            self.metrics.heartbeat_commit.observe(time.perf_counter() - arrived)
+            self._committed(engine_id, beat, arrived, expires)
             snap = self.fleet.snapshot
             seen = snap.engines.get(engine_id)
-            self._committed(engine_id, beat, expires, seen)
             if seen is not None:
                 target = snap.targets.get(engine_id)
             else:
@@ -226,7 +225,6 @@ class Heartbeats:
         seen = self.fleet.leased(engine_id, until=time.time() + ANSWER_FIRST_MARGIN_S)
         if seen is None or not (owner is None or seen.owner is None or seen.owner == owner):
             return None
-        self.metrics.heartbeats_answered_first.inc()
         return seen
 
     def _committed_behind(
@@ -248,13 +246,14 @@ class Heartbeats:
             self._refused = {e for e in self._refused if e in engines} | {engine_id}
             self.fleet.mark_dirty()
             return
-        self.metrics.heartbeat_commit.observe(time.perf_counter() - arrived)
-        self._committed(engine_id, beat, expires, self.fleet.snapshot.engines.get(engine_id))
+        self._committed(engine_id, beat, arrived, expires)
 
-    def _committed(
-        self, engine_id: str, beat: Heartbeat, expires: float, seen: EngineView | None
-    ) -> None:
-        """Signal the committed `beat`'s change of state to the snapshot, if it has one."""
+    def _committed(self, engine_id: str, beat: Heartbeat, arrived: float, expires: float) -> None:
+        """`beat` (arrived at `arrived`, perf_counter) renewed its engine's lease until
+        `expires`: time it, and signal its change of state to the snapshot, if it has one."""
+        self._refused.discard(engine_id)
+        self.metrics.heartbeat_commit.observe(time.perf_counter() - arrived)
+        seen = self.fleet.snapshot.engines.get(engine_id)
         if seen is None:
             self.fleet.mark_dirty()
         elif (

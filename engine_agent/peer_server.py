@@ -372,12 +372,13 @@ async def send_stream(response: StreamingResponse, receive: Receive, send: Send)
             data = chunk.encode() if isinstance(chunk, str) else bytes(chunk)
             await send({"type": "http.response.body", "body": data, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
-        state["sent"] = True
     except asyncio.CancelledError:
         if not state["left"]:
             raise
         task.uncancel()
     finally:
+        # The watch may have finished with its callback already scheduled: it must not
+        # cancel this task once the answer is over (below, or in the caller).
         state["sent"] = True
         watch.remove_done_callback(caller_left)
         watch.cancel()
