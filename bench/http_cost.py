@@ -9,9 +9,13 @@ costs), with a pre-built absolute URL, with Tether's own client (`http1`), as th
 hand-written HTTP/1.1 exchange on an asyncio stream (the floor). The server's share is the
 same small amount in every row, so differences are the client's. Also the ASGI side of an
 agent's answer to a peer file GET, before (Starlette's `StreamingResponse`) and now
-(`peer_server.send_stream`), with no network. Prints one JSON line, with
+(`peer_server.send_stream`), with no network. And a fetch source's GET of a peer's file
+(14 pieces of 1 KiB, sent one by one by a socket server in a thread) from a worker thread:
+through httpx's sync client, as the sources fetched before, and through `HttpSource` on
+Tether's blocking client (`http1.blocking`), as now. Prints one JSON line, with
 `httpx_over_control_client`: the agent's call before (httpx, the same wire models) over
-now, and `starlette_over_peer_answer`. Never asserts; never used outside `bench/`.
+now, `starlette_over_peer_answer` and `httpx_over_fetch_get`. Never asserts; never used
+outside `bench/`.
 
     python -m bench.http_cost [--requests 2000]
 """
@@ -208,8 +212,78 @@ async def _peer_answers(requests: int) -> dict[str, float]:
     return result
 
 
+def _fetch_gets(requests: int) -> dict[str, float]:
+    """CPU per GET of a 14-piece peer file from a thread, httpx then `HttpSource` (see the
+    module's docstring); the server thread's share is the same in both."""
+    import socket
+    import threading
+
+    from store.sources.http import FetchClient, HttpSource
+
+    piece = b"x" * 1024
+    head = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % (14 * len(piece))
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def answer(conn: socket.socket) -> None:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with conn:
+            buffered = b""
+            while True:
+                while b"\r\n\r\n" not in buffered:
+                    data = conn.recv(65536)
+                    if not data:
+                        return
+                    buffered += data
+                buffered = buffered.split(b"\r\n\r\n", 1)[1]
+                conn.sendall(head)
+                for _ in range(14):
+                    conn.sendall(piece)
+
+    def accept() -> None:
+        try:
+            while True:
+                conn, _ = server.accept()
+                threading.Thread(target=answer, args=(conn,), daemon=True).start()
+        except OSError:
+            pass
+
+    threading.Thread(target=accept, daemon=True).start()
+    url = f"http://127.0.0.1:{server.getsockname()[1]}"
+    size = 14 * len(piece)
+    headers = {"Authorization": "Bearer t"}
+    timeout = httpx.Timeout(5.0, connect=2.0)
+
+    def timed(get: Callable[[], object]) -> float:
+        for _ in range(WARM):
+            get()
+        started = time.process_time()
+        for _ in range(requests):
+            get()
+        return round(1000 * (time.process_time() - started) / requests, 3)
+
+    with httpx.Client(timeout=timeout) as client:
+
+        def with_httpx() -> object:
+            with client.stream("GET", f"{url}/key", headers=headers, timeout=timeout) as reply:
+                return b"".join(reply.iter_bytes())
+
+        before = timed(with_httpx)
+    fetch_client = FetchClient()
+    source = HttpSource(url, token="t", stall_s=5.0, client=fetch_client)
+    now = timed(lambda: source.fetch("key", size, sink=lambda _chunk: None))
+    fetch_client.close()
+    server.close()
+    return {
+        "fetch_get_httpx_ms": before,
+        "fetch_get_ms": now,
+        "httpx_over_fetch_get": round(before / now, 2),
+    }
+
+
 def main(requests: int = typer.Option(2000, help="timed requests per way")) -> None:
-    print(json.dumps(asyncio.run(measure(requests))))
+    result = asyncio.run(measure(requests))
+    result.update(_fetch_gets(requests))
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

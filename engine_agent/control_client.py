@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import urllib.request
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 from urllib.parse import urlencode, urlsplit
@@ -29,7 +28,7 @@ import httpx
 from pydantic import BaseModel
 
 from engine_agent.errors import ControlPlaneUnavailable, EngineNotRegistered
-from http1.client import Upstream, UpstreamError
+from http1.client import Upstream, UpstreamError, proxied
 from store.sources.http import shared_tls
 from wire import (
     EngineRegister,
@@ -140,16 +139,6 @@ class _Proxied:
 
     async def close(self) -> None:
         await self._client.aclose()
-
-
-def proxied(url: str) -> bool:
-    """Whether the environment sends requests for `url` through a proxy (httpx's rule:
-    the scheme's or ALL_PROXY, unless NO_PROXY names the host)."""
-    parts = urlsplit(url)
-    proxies = urllib.request.getproxies_environment()
-    if not (proxies.get(parts.scheme) or proxies.get("all")):
-        return False
-    return not urllib.request.proxy_bypass(parts.hostname or "")
 
 
 class ControlClient:

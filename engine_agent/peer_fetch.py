@@ -29,15 +29,13 @@ import time
 import weakref
 from collections.abc import Callable
 
-import httpx
-
 from engine_agent.control_client import ControlClient
 from engine_agent.errors import AgentError
 from engine_agent.status import AgentStatus, PassTimings
 from store.errors import CorruptPayload
 from store.relayed import RelayedVersion
 from store.sources import FetchSource, FoundSources, HttpSource, ObjectSource, SourcedFetch
-from store.sources.http import open_client
+from store.sources.http import FetchClient, open_client
 from store.types import VersionRef
 from wire.peers import PEER_FILES_PATH, FetchPlan, PeerReport, PeerSource
 
@@ -64,7 +62,7 @@ def open_source(
     url: str,
     token: str | None = None,
     stall_s: float = 5.0,
-    client: httpx.Client | None = None,
+    client: FetchClient | None = None,
     min_bytes_per_s: float = float(1 << 20),
 ) -> FetchSource:
     """A configured fetch source: an http(s):// base URL or a store URL of a mirror."""
@@ -118,7 +116,7 @@ class PeerFetch:
         self.last_plan: FetchPlan | None = None
         # One HTTP client for every source of every pass (keep-alive to the same parents;
         # opening one per peer per pass is what stalled a swarm's event loop).
-        self.client: httpx.Client | None = None
+        self.client: FetchClient | None = None
         # The fetches handed out and not yet finished: closed with the client, so that the
         # reads it cuts short are not logged as faults of their sources.
         self._open: weakref.WeakSet[SourcedFetch] = weakref.WeakSet()

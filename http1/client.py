@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+import urllib.request
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -72,6 +73,16 @@ class Origin:
             prefix=parts.path.rstrip("/").encode(),
             host_header=parts.netloc.encode(),
         )
+
+
+def proxied(url: str) -> bool:
+    """Whether the environment sends requests for `url` through a proxy (httpx's rule:
+    the scheme's or ALL_PROXY, unless NO_PROXY names the host)."""
+    parts = urlsplit(url)
+    proxies = urllib.request.getproxies_environment()
+    if not (proxies.get(parts.scheme) or proxies.get("all")):
+        return False
+    return not urllib.request.proxy_bypass(parts.hostname or "")
 
 
 class Answer:

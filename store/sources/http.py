@@ -15,22 +15,29 @@ a file it is still receiving, `PARTIAL_HEADER`) may be silent for `forward_stall
 instead: its pauses are its server's own source recovering, which takes that source's
 whole timeout and then the next source's first byte.
 
-Clients: opening an `httpx.Client` loads the CA bundle into a new TLS context (0.1–0.3 s of
-CPU, holding the GIL), so every source shares one process-wide TLS context, and an agent
-passes one client to all the peers of all its passes (`client=`): a fleet's catch-ups start
-together, and building clients per peer per pass stalled the event loop of a swarm for
-seconds.
+Clients: every source of an agent shares one `FetchClient` (keep-alive to the same parents
+across passes). It reads through Tether's blocking HTTP/1.1 client (`http1.blocking`): in
+a swarm of agents, httpx's sync client cost a quarter of the process's GIL time, most of
+it reading bodies in small paced pieces. A URL the environment routes through a proxy
+(`HTTP(S)_PROXY`, `ALL_PROXY`, unless `NO_PROXY` names the host) goes through httpx, which
+speaks to proxies. TLS uses one process-wide context, built on first use: loading the CA
+bundle costs 0.1-0.3 s of CPU holding the GIL, and a fleet's catch-ups start together.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import ssl
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from typing import Protocol
 
 import httpx
 
+from http1.blocking import BlockingClient
+from http1.client import UpstreamError, UpstreamTimeout, proxied
 from store.sources.base import FetchSource, SourceFailed
 
 # How long (seconds) the server may hold the request for a file it is still fetching.
@@ -47,10 +54,114 @@ def shared_tls() -> ssl.SSLContext:
     return httpx.create_ssl_context()
 
 
-def open_client(connect_s: float = 2.0) -> httpx.Client:
-    """A client for fetch sources: cheap to open (the shared TLS context), no default headers
-    (each request carries its own)."""
-    return httpx.Client(verify=shared_tls(), timeout=httpx.Timeout(30.0, connect=connect_s))
+class _Answer(Protocol):
+    @property
+    def status(self) -> int: ...
+
+    @property
+    def headers(self) -> Mapping[str, str]: ...
+
+    def set_read_timeout(self, seconds: float) -> None: ...
+
+    def iter_bytes(self) -> Iterator[bytes]: ...
+
+
+class FetchClient:
+    """The HTTP client fetch sources share: a GET streamed piece by piece, failures as
+    `UpstreamError` (`UpstreamTimeout` for a silence). Thread-safe; cheap to open."""
+
+    def __init__(self, connect_s: float = 2.0) -> None:
+        self.connect_s = connect_s
+        self._lock = threading.Lock()
+        self._direct: dict[bool, BlockingClient] = {}
+        self._proxied: httpx.Client | None = None
+        # Whether each origin goes through a proxy, decided from the environment once (as
+        # httpx does when a client opens): reading it costs more than the rest of a GET.
+        self._through_proxy: dict[str, bool] = {}
+        self.is_closed = False
+
+    @contextlib.contextmanager
+    def get(self, url: str, headers: dict[str, str], read_s: float) -> Iterator[_Answer]:
+        """GET `url`, the answer's head in hand; its body is read inside the block."""
+        scheme, _, rest = url.partition("://")
+        origin = f"{scheme}://{rest.split('/', 1)[0]}"
+        through_proxy = self._through_proxy.get(origin)
+        if through_proxy is None:
+            through_proxy = self._through_proxy[origin] = proxied(url)
+        if through_proxy:
+            with self._get_proxied(url, headers, read_s) as reply:
+                yield reply
+            return
+        with self._client(url.startswith("https:")).stream(
+            url, headers, read_timeout_s=read_s
+        ) as answer:
+            yield answer
+
+    def close(self) -> None:
+        """Close every connection, those of reads under way too (they fail at once)."""
+        with self._lock:
+            self.is_closed = True
+            clients, self._direct = list(self._direct.values()), {}
+            proxy_client, self._proxied = self._proxied, None
+        for client in clients:
+            client.close()
+        if proxy_client is not None:
+            proxy_client.close()
+
+    def _client(self, tls: bool) -> BlockingClient:
+        client = self._direct.get(tls)
+        if client is None:
+            with self._lock:
+                if self.is_closed:
+                    raise UpstreamError("the fetch client is closed")
+                client = self._direct.get(tls)
+                if client is None:
+                    client = self._direct[tls] = BlockingClient(
+                        connect_timeout_s=self.connect_s,
+                        ssl_context=shared_tls() if tls else None,
+                    )
+        return client
+
+    @contextlib.contextmanager
+    def _get_proxied(self, url: str, headers: dict[str, str], read_s: float) -> Iterator[_Answer]:
+        with self._lock:
+            if self.is_closed:
+                raise UpstreamError("the fetch client is closed")
+            if self._proxied is None:
+                self._proxied = httpx.Client(
+                    verify=shared_tls(), timeout=httpx.Timeout(30.0, connect=self.connect_s)
+                )
+            client = self._proxied
+        timeout = httpx.Timeout(read_s, connect=self.connect_s)
+        try:
+            with client.stream("GET", url, headers=headers, timeout=timeout) as reply:
+                yield _HttpxAnswer(reply)
+        except UpstreamTimeout as exc:
+            raise UpstreamTimeout(f"{type(exc).__name__}: {exc}") from exc
+        except httpx.HTTPError as exc:
+            raise UpstreamError(f"{type(exc).__name__}: {exc}") from exc
+
+
+class _HttpxAnswer:
+    def __init__(self, reply: httpx.Response) -> None:
+        self.status = reply.status_code
+        self.headers = reply.headers
+        self._reply = reply
+
+    def set_read_timeout(self, seconds: float) -> None:
+        # httpcore takes a body's read timeout from the request's `timeout` extension when
+        # the body is first read, so one set here holds for this body alone.
+        timeouts = self._reply.request.extensions.get("timeout")
+        if isinstance(timeouts, dict):
+            self._reply.request.extensions["timeout"] = {**timeouts, "read": seconds}
+
+    def iter_bytes(self) -> Iterator[bytes]:
+        return self._reply.iter_bytes()
+
+
+def open_client(connect_s: float = 2.0) -> FetchClient:
+    """A client for fetch sources, to share between them."""
+    return FetchClient(connect_s)
 
 
 class HttpSource(FetchSource):
@@ -66,7 +177,7 @@ class HttpSource(FetchSource):
         stall_s: float = 5.0,
         min_bytes_per_s: float = 1 << 20,
         connect_s: float = 2.0,
-        client: httpx.Client | None = None,
+        client: FetchClient | None = None,
         forward_stall_s: float | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
@@ -78,7 +189,7 @@ class HttpSource(FetchSource):
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         if wait_s > 0:
             self._headers[WAIT_HEADER] = f"{wait_s:g}"
-        self._timeout = httpx.Timeout(stall_s + wait_s, connect=connect_s)
+        self._read_s = stall_s + wait_s
         # How long a forward may deliver nothing (no less than any other answer).
         self.forward_stall_s = max(forward_stall_s or 0.0, stall_s + wait_s)
         # A client passed in belongs to the caller (shared by many sources); never closed here.
@@ -102,20 +213,20 @@ class HttpSource(FetchSource):
         partial: bool | None = None
         received = 0
         try:
-            with self._client.stream("GET", url, headers=headers, timeout=self._timeout) as reply:
-                if reply.status_code == 404:
+            with self._client.get(url, headers, self._read_s) as reply:
+                if reply.status == 404:
                     raise FileNotFoundError(f"{self.location} does not hold {key}")
                 # A server that ignores the range answers the whole file: its first
                 # `offset` bytes are skipped below.
-                skip = offset if reply.status_code == 200 else 0
-                if reply.status_code != 200 and not (offset and reply.status_code == 206):
+                skip = offset if reply.status == 200 else 0
+                if reply.status != 200 and not (offset and reply.status == 206):
                     raise SourceFailed(
-                        f"{url} answered {reply.status_code}; expected 200 with the file",
-                        "unavailable" if reply.status_code in (429, 503) else "error",
+                        f"{url} answered {reply.status}; expected 200 with the file",
+                        "unavailable" if reply.status in (429, 503) else "error",
                     )
-                partial = reply.headers.get(PARTIAL_HEADER) == "1"
+                partial = reply.headers.get(PARTIAL_HEADER.lower()) == "1"
                 if partial:
-                    _patient_body(reply, self.forward_stall_s)
+                    reply.set_read_timeout(self.forward_stall_s)
                 chunks = []
                 for piece in reply.iter_bytes():  # as they arrive: they may be forwarded
                     chunk = piece[skip:]
@@ -145,25 +256,16 @@ class HttpSource(FetchSource):
                         suspect=True,
                     )
                 return b"".join(chunks)
-        except httpx.TimeoutException as exc:
+        except UpstreamTimeout as exc:
             where = (
                 "before answering"
                 if partial is None
                 else f"after {received} of {wanted} bytes{' of a forward' if partial else ''}"
             )
-            raise SourceFailed(f"{url} stalled {where} ({type(exc).__name__})", "stall") from exc
-        except httpx.HTTPError as exc:
-            raise SourceFailed(f"{url} failed: {type(exc).__name__}: {exc}", "error") from exc
+            raise SourceFailed(f"{url} stalled {where} ({exc})", "stall") from exc
+        except UpstreamError as exc:
+            raise SourceFailed(f"{url} failed: {exc}", "error") from exc
 
     def close(self) -> None:
         if self._owned:
             self._client.close()
-
-
-def _patient_body(reply: httpx.Response, read_s: float) -> None:
-    """Let the body of `reply` (not read yet) be silent for `read_s` between bytes. httpcore
-    takes the read timeout of a body from the request's `timeout` extension when the body
-    is first read, so one set here holds for this body alone."""
-    timeouts = reply.request.extensions.get("timeout")
-    if isinstance(timeouts, dict):
-        reply.request.extensions["timeout"] = {**timeouts, "read": read_s}

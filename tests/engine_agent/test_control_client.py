@@ -11,8 +11,9 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from engine_agent.control_client import ControlClient, proxied
+from engine_agent.control_client import ControlClient
 from engine_agent.errors import ControlPlaneUnavailable
+from http1.client import proxied
 from wire import Heartbeat, SyncState
 
 Handler = Callable[[bytes, asyncio.StreamWriter], Awaitable[None]]

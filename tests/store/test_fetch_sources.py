@@ -285,7 +285,8 @@ def test_a_forward_may_pause_while_its_server_changes_source_a_file_on_disk_may_
                 source.fetch("key", len(body))
             gave_up.set()
             assert failed.value.reason == "stall"
-            assert "stalled after 50 of 100 bytes (ReadTimeout)" in str(failed.value)
+            assert "stalled after 50 of 100 bytes (" in str(failed.value)
+            assert "went silent" in str(failed.value)
 
 
 def test_a_fetch_closed_under_a_running_read_does_not_log_its_source_as_faulty(
@@ -342,11 +343,16 @@ def test_a_source_that_does_not_hold_a_file_is_a_miss_not_a_fault(
 
 def test_opening_an_http_source_loads_no_certificates_and_leaves_a_shared_client_open() -> None:
     # Loading the CA bundle takes 0.1-0.3 s of CPU under the GIL: built per peer per pass,
-    # it stalled a swarm of agents' event loop for seconds. Every source shares one context.
+    # it stalled a swarm of agents' event loop for seconds. Plain-HTTP sources load none;
+    # TLS ones share the one context of the process.
+    shared_tls.cache_clear()
     own = HttpSource("http://127.0.0.1:9/files")
-    assert own._client._transport._pool._ssl_context is shared_tls()  # type: ignore[attr-defined]
     shared = open_client()
     borrowing = HttpSource("http://127.0.0.1:9/files", token="t", wait_s=3, client=shared)
+    with pytest.raises(SourceFailed):
+        borrowing.fetch("key", 1)  # nobody listens on port 9: refused, no TLS involved
+    assert shared_tls.cache_info().currsize == 0
+    assert shared._client(tls=True).ssl_context is shared_tls()
     borrowing.close()
     own.close()
     assert not shared.is_closed
@@ -507,3 +513,32 @@ def test_each_lane_fetches_the_whole_chain_one_file_at_a_time_without_waiting_fo
         assert source.asked == [key for v in chain for key in share(v, lane)]
     assert any(key.endswith(INDEX) for key in lane0.asked + lane1.asked)
     assert progress == [f"fetched {RUN} v{v}" for v in chain] + [f"folded {RUN} v2"]
+
+
+def test_a_source_the_environment_proxies_is_fetched_through_the_proxy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Tether's own client speaks no proxy protocol: a URL that HTTP_PROXY covers goes
+    # through httpx, which does. The proxy answers for a peer that does not exist.
+    body = b"through the proxy"
+    heads: list[bytes] = []
+    proxy = socket.create_server(("127.0.0.1", 0))
+
+    def answer() -> None:
+        conn, _ = proxy.accept()
+        with conn:
+            heads.append(conn.recv(65536))
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{proxy.getsockname()[1]}")
+    monkeypatch.setenv("NO_PROXY", "")
+    try:
+        source = HttpSource("http://peer.invalid:8000/files", token="t")
+        assert source.fetch("key", len(body)) == body
+        source.close()
+    finally:
+        proxy.close()
+    assert heads and heads[0].startswith(b"GET http://peer.invalid:8000/files/key HTTP/1.1")
+    assert b"authorization: bearer t" in heads[0].lower()
