@@ -31,7 +31,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -198,8 +198,9 @@ class PeerServer:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(waiter, min(left, 1.0))
 
-    async def serve(self, request: Request, key: str) -> Response:
-        refused = await self._allowed(request.headers.get("authorization"))
+    async def serve(self, headers: dict[str, str], key: str) -> Response:
+        """The answer to a GET of `key`; `headers`: the request's, names in lower case."""
+        refused = await self._allowed(headers.get("authorization"))
         if refused is not None:
             return refused
         try:
@@ -208,7 +209,7 @@ class PeerServer:
             return _error(404, "NotFound", str(exc))
         self._loop = asyncio.get_running_loop()
         try:
-            asked = float(request.headers.get(WAIT_HEADER, "0"))
+            asked = float(headers.get(_WAIT, "0"))
         except ValueError:
             asked = 0.0
         wait_s = max(0.0, min(asked, self.max_wait_s))
@@ -218,14 +219,14 @@ class PeerServer:
         if self.uploading >= self.upload_slots:
             return _error(503, "PeerBusy", "every upload slot is taken; ask another source", 1)
         if isinstance(held, PartialFile):
-            return self._forward(held, request.headers.get("range"))
+            return self._forward(held, headers.get("range"))
         path = held
         try:
             size = path.stat().st_size
         except FileNotFoundError:  # pruned meanwhile
             return _error(404, "NotFound", f"{key} was pruned")
         return _ranged(
-            request.headers.get("range"),
+            headers.get("range"),
             size,
             {"Content-Length": ""},
             lambda start, end: self._stream(path, start, end),
@@ -320,6 +321,10 @@ class PeerServer:
                 shutil.rmtree(folder, ignore_errors=True)
 
 
+_WAIT = WAIT_HEADER.lower()
+_READ_HEADERS = frozenset({b"authorization", b"range", _WAIT.encode("latin-1")})
+
+
 class _PeerFront:
     """An ASGI layer that answers peer file GETs before the app's router: FastAPI's route
     matching, parameter solving and exception layers cost more per request than serving a
@@ -333,7 +338,14 @@ class _PeerFront:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
         if scope["type"] == "http" and scope["method"] == "GET" and path.startswith(_PREFIX):
-            response = await self.server.serve(Request(scope, receive), path[len(_PREFIX) :])
+            # The few headers it reads, straight from the scope (ASGI names are lower
+            # case): a Starlette `Request` and its `Headers` were ~5 % of a swarm's CPU.
+            headers = {
+                name.decode("latin-1"): value.decode("latin-1")
+                for name, value in scope["headers"]
+                if name in _READ_HEADERS
+            }
+            response = await self.server.serve(headers, path[len(_PREFIX) :])
             if isinstance(response, StreamingResponse):
                 await send_stream(response, receive, send)
             else:

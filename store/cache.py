@@ -100,6 +100,9 @@ def fetch_versions(
         report()  # versions without files
 
 
+_MAX_KEY_PATHS = 4096
+
+
 class FileCache:
     """A folder of verified copies of store objects, keyed like the store."""
 
@@ -116,10 +119,19 @@ class FileCache:
         self.on_receiving: Callable[[str], None] | None = None
         self._partials: dict[str, PartialFile] = {}
         self._partials_lock = threading.Lock()
+        # Each key's two paths, built once: a peer server looks a file up per GET, and
+        # pathlib's joins were ~5 % of a 1,000-agent swarm's CPU.
+        self._key_paths: dict[str, tuple[Path, Path]] = {}
 
     def _paths(self, key: str) -> tuple[Path, Path]:
-        path = self.root / key
-        return path, path.with_name(path.name + _SIDECAR)
+        paths = self._key_paths.get(key)
+        if paths is None:
+            path = self.root / key
+            paths = path, path.with_name(path.name + _SIDECAR)
+            if len(self._key_paths) >= _MAX_KEY_PATHS:
+                self._key_paths.clear()
+            self._key_paths[key] = paths
+        return paths
 
     def load(self, key: str, expected_size: int | None = None) -> bytes | None:
         """The cached bytes of `key` if present and intact, else None (damage is dropped)."""
