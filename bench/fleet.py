@@ -107,6 +107,10 @@ class FleetConfig:
     # version (not measured), so that on slow links a cold start of every engine at once
     # does not take most of the run; the measured versions run at the caps.
     first_catchup_speedup: float = 1.0
+    # Settle each swarm process's cycle collector once the fleet is up (as a control plane
+    # settles its own): freeze what exists, and collect rarely. A real agent runs alone in
+    # its process; a thousand in one make every full collection scan all of them.
+    settle_gc: bool = True
 
     @property
     def caps(self) -> dict[str, float]:
@@ -338,7 +342,7 @@ def _measure(config: FleetConfig, work: Path, say: Callable[[str], None]) -> dic
             storage_options=dict(stack.s3.storage_options), boot=boot, work=work / "agents",
             agent_link_mbps=config.agent_link_mbps, threads=threads,
             start_per_s=config.start_per_s, peers=config.peers, bad_peers=config.bad_peers,
-            peer_chunk_bytes=config.peer_chunk_bytes,
+            peer_chunk_bytes=config.peer_chunk_bytes, settle_gc=config.settle_gc,
         )  # fmt: skip
         began = time.perf_counter()
         pool = SwarmPool(spec, procs, config.store_egress_mbps)
@@ -431,6 +435,7 @@ def _measure(config: FleetConfig, work: Path, say: Callable[[str], None]) -> dic
                  for t in pool.woken.get(r["version"], [])]  # fmt: skip
         beats = [b for s in summaries for b in s["heartbeat_s"]]
         lag = [x for s in summaries for x in s["loop_lag_s"]]
+        gc_pauses = [x for s in summaries for x in s["gc_pause_s"]]
         cp_beats = cp_seen["tether_heartbeat_seconds"]
         cp_commits = cp_seen["tether_heartbeat_commit_seconds"]
         cp_wakes = cp_seen["tether_target_wake_seconds"]
@@ -536,6 +541,11 @@ def _measure(config: FleetConfig, work: Path, say: Callable[[str], None]) -> dic
             # processes): the part of the client-side latencies that is the swarm's own.
             "swarm_loop_lag_p50_ms": _ms(percentile(lag, 0.5)),
             "swarm_loop_lag_p99_ms": _ms(percentile(lag, 0.99)),
+            # The swarm processes' cycle collections over the window (each holds the GIL).
+            "swarm_gc_settled": config.settle_gc,
+            "swarm_gc_pauses": len(gc_pauses),
+            "swarm_gc_pause_max_ms": _ms(max(gc_pauses, default=None)),
+            "swarm_gc_s": round(sum(gc_pauses), 3),
             # Reconcile passes that failed and were retried (timeouts on a starved machine),
             # by error type: each re-reads its versions from the store.
             "failed_passes": dict(total("failures")),
@@ -723,6 +733,12 @@ def run(
         help="run every link this many times its cap until the fleet serves its first "
         "version (not measured); the measured versions run at the caps",
     ),
+    settle_swarm_gc: bool = typer.Option(
+        True,
+        help="freeze and space out each swarm process's cycle collections once the fleet "
+        "is up (a real agent runs alone in its process; a thousand in one make every full "
+        "collection scan them all)",
+    ),
     controlplane_cpus: str = typer.Option(
         "",
         help="CPUs (e.g. 0 or 0-1) for the control plane and its PostgreSQL alone; the swarm "
@@ -751,7 +767,7 @@ def run(
             procs=swarm_procs or default_procs(cores), start_per_s=start_per_s, peers=peers,
             bad_peers=bad_peers, peer_fanout=peer_fanout, shards=shards,
             peer_chunk_bytes=peer_chunk_bytes, controlplane_cpus=cores,
-            first_catchup_speedup=first_catchup_speedup,
+            first_catchup_speedup=first_catchup_speedup, settle_gc=settle_swarm_gc,
         )  # fmt: skip
         print(
             f"--- {n} engines in {min(n, config.procs)} swarm processes, caps {config.caps}, "
@@ -773,7 +789,8 @@ def run(
             f"answered before their commit, commit p99 {result['cp_heartbeat_commit_p99_ms']} "
             f"ms); wake p99 {result['wake_p99_ms']} ms "
             f"(control plane's side {result['cp_wake_p99_ms']} ms); swarm loop lag p99 "
-            f"{result['swarm_loop_lag_p99_ms']} ms; control plane "
+            f"{result['swarm_loop_lag_p99_ms']} ms, its collections {result['swarm_gc_s']} s "
+            f"in {result['swarm_gc_pauses']} pauses; control plane "
             f"{result['controlplane_cpu_cores']} cores, swarm {result['swarm_cpu_cores']} cores "
             f"({result['swarm_cpu_ms_per_catchup']} ms per catch-up)"
         )

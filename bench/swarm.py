@@ -36,6 +36,7 @@ from typing import Any
 
 from bench.capped_link import CappedObjects, Egress, Link, SharedLink
 from bench.null_engine import NullEngine
+from controlplane import collector
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,8 @@ class SwarmSpec:
     peers: bool = False
     bad_peers: int = 0
     peer_chunk_bytes: int = 2048
+    # Settle the cycle collector when the measurement starts (`FleetConfig.settle_gc`).
+    settle_gc: bool = False
 
     def lies(self, index: int) -> bool:
         """Whether agent `index` serves its peers damaged files (every
@@ -294,6 +297,7 @@ async def _serve(worker: int, spec: SwarmSpec, pipes: Pipes) -> None:
     # the agents of this process (their `asyncio.to_thread`), never one per agent.
     loop.set_default_executor(ThreadPoolExecutor(max_workers=spec.threads))
     share = Share(spec, pipes.store_link, pipes.egress, events.put)
+    collector.PauseObserver(share.gc_paused).install()
     stopping = asyncio.Event()
 
     def terminate() -> None:  # SIGTERM (the bench closing its workers): stop as asked to
@@ -358,10 +362,21 @@ class Share:
         self.recording = False
         self.heartbeat_s: list[float] = []
         self.loop_lag_s: list[float] = []
+        self.gc_pause_s: list[float] = []
+        self._settled = False
         self._cpu = 0.0
         self._cpu_from: float | None = None
 
+    def gc_paused(self, seconds: float) -> None:
+        if self.recording:
+            self.gc_pause_s.append(seconds)
+
     def record(self, on: bool) -> None:
+        if on and self.spec.settle_gc and not self._settled:
+            # Every agent is up: what exists now is never scanned again, and collections
+            # come far apart (`controlplane.collector`).
+            collector.settle()
+            self._settled = True
         if on and self._cpu_from is None:
             self._cpu_from = time.process_time()
         elif not on and self._cpu_from is not None:
@@ -500,6 +515,7 @@ class Share:
             "threads": threading.active_count(),
             "heartbeat_s": self.heartbeat_s,
             "loop_lag_s": self.loop_lag_s,
+            "gc_pause_s": self.gc_pause_s,
             "cpu_s": self._cpu,
             "peer_bytes": sum(s.fetched_bytes.get("peer", 0) for s in statuses),
             "store_bytes": sum(s.fetched_bytes.get("store", 0) for s in statuses),

@@ -86,6 +86,10 @@ def test_every_engine_of_the_swarm_commits_the_store_s_bytes_despite_a_lying_pee
     assert result["cp_snapshot_patches"] + result["cp_snapshot_changed_reads"] > 0
     assert result["cp_snapshot_reads"] > 0
     assert result["swarm_loop_lag_p99_ms"] is not None
+    # The swarm processes settled their collectors and timed every collection after.
+    assert result["swarm_gc_settled"] is True
+    assert (result["swarm_gc_pause_max_ms"] is None) == (result["swarm_gc_pauses"] == 0)
+    assert result["swarm_gc_s"] >= 0
     assert result["swarm_rss_mb_per_agent"] > 0
     assert result["swarm_cpu_ms_per_catchup"] > 0
     assert result["store_planning_bytes_per_engine"] > 0
