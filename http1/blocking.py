@@ -23,7 +23,6 @@ import ssl
 import threading
 import time
 from collections.abc import Iterator
-from types import TracebackType
 
 import httptools
 
@@ -78,9 +77,10 @@ class _Connection:
 
 
 class StreamedAnswer:
-    """A server's answer whose body is read as it arrives (`iter_bytes`). Used as a
-    context manager: leaving it returns the connection to the pool when the body was read
-    to its end and the server keeps connections alive, and closes it otherwise."""
+    """A server's answer whose body is read as it arrives (`iter_bytes`). `close` (run on
+    leaving `BlockingClient.stream`'s block) returns the connection to the pool when the
+    body was read to its end and the server keeps connections alive, and closes it
+    otherwise."""
 
     def __init__(
         self,
@@ -148,17 +148,6 @@ class StreamedAnswer:
         else:
             self._client._drop(conn)
 
-    def __enter__(self) -> StreamedAnswer:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
 
 class BlockingClient:
     """Keep-alive connections per origin, shared by the threads that call `stream`."""
@@ -184,6 +173,7 @@ class BlockingClient:
         self._origins: dict[str, Origin] = {}
         self._closed = False
 
+    @contextlib.contextmanager
     def stream(
         self,
         url: str,
@@ -191,8 +181,9 @@ class BlockingClient:
         *,
         method: str = "GET",
         read_timeout_s: float | None = None,
-    ) -> StreamedAnswer:
-        """Send `method url` (no body) and return once the answer's head has arrived.
+    ) -> Iterator[StreamedAnswer]:
+        """Send `method url` (no body); the answer once its head has arrived, its body
+        read inside the block.
 
         A request that dies on a reused connection before a byte of answer came back is
         sent once more on a fresh one: the server closed the idle connection as it was
@@ -205,6 +196,13 @@ class BlockingClient:
         lines += [f"{name}: {value}" for name, value in (headers or {}).items()]
         head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
         read_s = self.read_timeout_s if read_timeout_s is None else read_timeout_s
+        answer = self._send(origin, head, read_s)
+        try:
+            yield answer
+        finally:
+            answer.close()
+
+    def _send(self, origin: Origin, head: bytes, read_s: float) -> StreamedAnswer:
         for attempt in (0, 1):
             conn = self._take_idle(origin) if attempt == 0 else None
             reused = conn is not None

@@ -225,8 +225,8 @@ def test_closing_the_client_ends_a_read_under_way_at_once() -> None:
     assert not thread.is_alive()
     assert len(outcome) == 1 and isinstance(outcome[0], UpstreamError)
     assert "closed" in str(outcome[0])
-    with pytest.raises(UpstreamError, match="closed"):
-        client.stream(url)
+    with pytest.raises(UpstreamError, match="closed"), client.stream(url):
+        pass
 
 
 def test_a_refused_connection_and_an_https_url_without_tls_are_clear_errors() -> None:
@@ -234,7 +234,8 @@ def test_a_refused_connection_and_an_https_url_without_tls_are_clear_errors() ->
     free = port.getsockname()[1]
     port.close()
     client = BlockingClient()
-    with pytest.raises(UpstreamError, match=f"connecting to 127.0.0.1:{free} failed"):
-        client.stream(f"http://127.0.0.1:{free}/x")
-    with pytest.raises(UpstreamError, match="ssl_context"):
-        client.stream("https://127.0.0.1:1/x")
+    refused = f"connecting to 127.0.0.1:{free} failed"
+    with pytest.raises(UpstreamError, match=refused), client.stream(f"http://127.0.0.1:{free}/x"):
+        pass
+    with pytest.raises(UpstreamError, match="ssl_context"), client.stream("https://127.0.0.1:1/x"):
+        pass
