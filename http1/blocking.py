@@ -91,7 +91,7 @@ class StreamedAnswer:
     ) -> None:
         self._client = client
         self._conn: _Connection | None = conn
-        self._parser: httptools.HttpResponseParser | None = parser
+        self._parser = parser
         self._parsed = parsed
         self.status: int = parser.get_status_code()
         self.headers = parsed.headers
@@ -119,8 +119,6 @@ class StreamedAnswer:
             conn = self._conn
             if conn is None:
                 raise UpstreamError("the answer was closed")
-            parser = self._parser
-            assert parser is not None  # only an answer read to its end has none
             try:
                 data = _recv(conn)
             except UpstreamError:
@@ -132,10 +130,9 @@ class StreamedAnswer:
                     raise UpstreamError(f"the client was closed under a read from {_where(conn)}")
                 if self._until_close:
                     parsed.complete = True  # the body ran until the server closed, as announced
-                    self._parser = None
                     continue
                 raise UpstreamError(f"connection to {_where(conn)} closed mid-answer")
-            _feed(parser, data, conn)
+            _feed(self._parser, data, conn)
 
     def close(self) -> None:
         """Done with the answer: the connection is kept only if the body was read whole."""
