@@ -19,6 +19,9 @@ client generating through the agent, publishes a delta v1 and measures:
 - `unstaged_update_pause_s`: the other naive refit, pausing first and then fetching,
   folding, writing and loading (`update_weights_from_disk`; vLLM: `reload_weights`) with
   nothing prepared in advance;
+- `agent_gc_pauses`, `agent_gc_s`, `agent_gc_pauses_over_20ms`: the agent's cycle
+  collections from the moment it serves until its commit (`--no-agent-gc-settle`: with
+  CPython's collector as it was, every full collection rescanning the agent's imports);
 - `logprobs_match_after_commit`: after the staged commit, the engine's prompt logprobs
   equal those transformers computes for v1 (bf16 tolerance) — the weights really changed.
 
@@ -153,6 +156,24 @@ def _stage_with_and_without_incremental(
     }
 
 
+def _gc_pauses(agent_url: str) -> tuple[float, float, float]:
+    """The agent's cycle collections so far: how many, their seconds, and how many held
+    it 20 ms or less (from `tether_agent_gc_pause_seconds`)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{agent_url}/metrics", timeout=10).text
+    samples = {
+        (sample.name, sample.labels.get("le")): sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "tether_agent_gc_pause_seconds"
+        for sample in family.samples
+    }
+    count = samples[("tether_agent_gc_pause_seconds_count", None)]
+    total = samples[("tether_agent_gc_pause_seconds_sum", None)]
+    return count, total, samples[("tether_agent_gc_pause_seconds_bucket", "0.02")]
+
+
 def _client_loop(url: str, stop: threading.Event, done: list[float], tokens: int) -> None:
     import httpx
 
@@ -178,6 +199,7 @@ def run(
     engine: str = "reference",
     work_dir: Path | None = None,
     update_fraction: float = 0.05,
+    agent_gc_settle: bool = True,
 ) -> dict[str, Any]:
     """Measure one staged refit against naive reloads on a model of the given dimensions,
     served by ENGINE (reference | vllm)."""
@@ -240,11 +262,15 @@ def run(
                  "--store", str(root / "store"), "--run", RUN, "--port", str(agent_port),
                  "--boot-model", str(served_boot), "--boot-version", "0",
                  "--work-dir", str(root / "agent")],
-                env={"TETHER_AGENT_POINTER_POLL_S": "0.2"},
+                env={
+                    "TETHER_AGENT_POINTER_POLL_S": "0.2",
+                    "TETHER_AGENT_GC_SETTLE": "1" if agent_gc_settle else "0",
+                },
                 url=agent_url,
             )  # fmt: skip
             server.wait_http(ready_path, 900, interval_s=0.05)
             agent.wait_http("/health", 600, interval_s=0.05)
+        gc_before = _gc_pauses(agent_url)
 
         stop = threading.Event()
         done: list[float] = []
@@ -263,6 +289,7 @@ def run(
             )  # fmt: skip
         stop.set()
         client.join(120)
+        gc_pauses = [b - a for a, b in zip(gc_before, _gc_pauses(agent_url), strict=True)]
         last = httpx.get(f"{agent_url}/server_info", timeout=10).json()["last_pass"]
         commit_started = last["finished_at"] - last["commit_s"]
         staging_started = commit_started - last["stage_s"]
@@ -351,6 +378,11 @@ def run(
         "stages_gb_s_wall": wall,
         "logprobs_match_after_commit": matched,
         "logprobs_max_gap": None if gap is None else round(gap, 5),
+        # The agent's cycle collections from serving until the commit (`gc_settle`).
+        "agent_gc_settle": agent_gc_settle,
+        "agent_gc_pauses": int(gc_pauses[0]),
+        "agent_gc_s": significant(gc_pauses[1], 3),
+        "agent_gc_pauses_over_20ms": int(gc_pauses[0] - gc_pauses[2]),
     }
     # Each catch-up stage as GB of BF16 checkpoint per second of the agent's wall clock (the
     # agent is another process, so its thread CPU time is not visible from here).

@@ -36,7 +36,7 @@ from typing import Any
 
 from bench.capped_link import CappedObjects, Egress, Link, SharedLink
 from bench.null_engine import NullEngine
-from controlplane import collector
+from runtime import collector
 
 log = logging.getLogger(__name__)
 
@@ -374,7 +374,7 @@ class Share:
     def record(self, on: bool) -> None:
         if on and self.spec.settle_gc and not self._settled:
             # Every agent is up: what exists now is never scanned again, and collections
-            # come far apart (`controlplane.collector`).
+            # come far apart (`runtime.collector`).
             collector.settle()
             self._settled = True
         if on and self._cpu_from is None:
@@ -468,6 +468,9 @@ class Share:
                 # healthy transfer here gets at least a parent's capped upload shared by its
                 # upload slots (8); half of that is the floor, so only a real stall trips it.
                 peer_min_bytes_per_s=min(float(1 << 20), spec.agent_link_mbps * MB / 16),
+                # A worker hosts many agents: its collector is settled once, for all of
+                # them, when the measurement starts (`record`), not by each agent's boot.
+                gc_settle=False,
             )
         return self._base_settings
 

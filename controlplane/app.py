@@ -19,7 +19,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
-from controlplane import collector, dashboard, draining, peer_routes, session_routes
+from controlplane import dashboard, draining, peer_routes, session_routes
 from controlplane import db as dbmod
 from controlplane.auth import (
     ADMIN,
@@ -59,6 +59,7 @@ from controlplane.router import eligible, pick
 from controlplane.services import Services
 from controlplane.settings import ControlPlaneSettings
 from controlplane.snapshot import FleetSnapshot
+from runtime import collector
 from store.types import VersionConstraint
 from wire import (
     MAX_INT,
@@ -196,7 +197,7 @@ def create_app(settings: ControlPlaneSettings | None = None) -> FastAPI:
         )
         if replicas is not None:
             await replicas.start()
-        # Serving from here on: what exists now is never garbage (`controlplane.collector`).
+        # Serving from here on: what exists now is never garbage (`runtime.collector`).
         pauses = collector.PauseObserver(cp.metrics.gc_pause.observe)
         pauses.install()
         if settings.gc_settle:

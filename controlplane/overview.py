@@ -22,8 +22,9 @@ import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from controlplane.convergence import Convergence
-from controlplane.metrics import LoopCounter, Metrics
+from controlplane.metrics import Metrics
 from controlplane.snapshot import FleetSnapshot
+from runtime.loop_metrics import LoopCounter
 from wire import GapReport as GapReportBody
 from wire import Precision, SyncState
 

@@ -27,7 +27,7 @@ class ControlPlaneSettings(BaseSettings):
     # entry, same answers.
     hot_exchange: bool = True
     # Once serving, freeze the objects that exist and collect cycles rarely
-    # (`controlplane/collector.py`); off: CPython's defaults (full collections of every
+    # (`runtime/collector.py`); off: CPython's defaults (full collections of every
     # object every few seconds under load, each holding every request).
     gc_settle: bool = True
     # All request headers together (431 past it; the HTTP parser is capped just above).

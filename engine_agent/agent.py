@@ -50,6 +50,7 @@ from engine_agent.errors import (
     UnrecoverableEngineError,
 )
 from engine_agent.gate import AdmissionGate
+from engine_agent.metrics import GC_OBSERVER
 from engine_agent.peer_fetch import PeerFetch
 from engine_agent.peer_server import PeerServer
 from engine_agent.proxy import VersionedProxy
@@ -57,6 +58,7 @@ from engine_agent.reconciler import Reconciler
 from engine_agent.settings import AgentSettings
 from engine_agent.staging import Stager
 from engine_agent.status import AgentStatus
+from runtime import collector
 from store.store import Store
 from wire import EngineKind, EngineRegister
 
@@ -496,6 +498,18 @@ class Agent:
             stop.cancel()
             log.error("engine at %s never answered: %s", self.settings.engine_url, exc)
             return EXIT_STARTUP
+        # Booted: what exists now (imports above all) is never garbage (`runtime.collector`).
+        GC_OBSERVER.install()
+        if self.settings.gc_settle:
+            collector.settle(spaced=False, collect_first=True)
+        try:
+            return await self._serve(stop)
+        finally:
+            if self.settings.gc_settle:
+                collector.unsettle()
+
+    async def _serve(self, stop: asyncio.Task[Any]) -> int:
+        """Serve until stopped or a task fails; the exit code."""
         config = uvicorn.Config(
             self.proxy.app(),
             log_level="warning",

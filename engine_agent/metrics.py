@@ -2,18 +2,31 @@
 
 Owns the metric names of the agent's `/metrics`: the applied version, whether the agent is
 healthy, failed reconcile passes by error type (a full staging disk counts under
-`StageFailed`), and peer-assisted fetch (bytes by source, dropped sources, uploads).
-Must never do I/O or change the status it reads.
+`StageFailed`), peer-assisted fetch (bytes by source, dropped sources, uploads), and how
+long each cycle collection held the process (`GC_PAUSES`, one per process, as the collector
+is). Must never do I/O or change the status it reads.
 """
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from engine_agent.status import AgentStatus
+from runtime.collector import PauseObserver
+from runtime.loop_metrics import LoopHistogram
+
+# Observed inside the cycle collector (lock-free); `GC_OBSERVER.install()` once booted.
+GC_PAUSES = LoopHistogram(
+    "tether_agent_gc_pause_seconds",
+    "Seconds each cycle collection of this process held it (the proxy, heartbeats and "
+    "peer uploads wait through it)",
+    buckets=(0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0),
+)
+GC_OBSERVER = PauseObserver(GC_PAUSES.observe)
 
 
 class _StatusCollector:
@@ -41,6 +54,14 @@ class _StatusCollector:
             failures.add_metric([error], count)
         yield failures
         yield from _peer_metrics(status)
+        yield from GC_PAUSES.collect()
+        frozen = GaugeMetricFamily(
+            "tether_agent_gc_frozen_objects",
+            "Objects the cycle collector never scans: what existed once the agent booted "
+            "(0: gc_settle off)",
+        )
+        frozen.add_metric([], gc.get_freeze_count())
+        yield frozen
 
 
 def _peer_metrics(status: AgentStatus) -> Iterator[Metric]:

@@ -68,6 +68,11 @@ class AgentSettings(BaseSettings):
     retry_initial_s: float = Field(default=1.0, gt=0)
     retry_max_s: float = Field(default=30.0, gt=0)
     log_level: str = "info"
+    # Once booted, collect cycles once and freeze what exists (imports, the engine's
+    # description, the boot tensors' holders), so later collections never rescan it
+    # (`runtime/collector.py`); off: CPython's defaults (each full collection rescans the
+    # ~0.3 M objects of torch's and transformers' imports while requests wait).
+    gc_settle: bool = True
     # Peer-assisted fetch (docs/peers.md): with a control plane, fetch version files from
     # the peers its fetch plan names (verified against the store's digests) before the
     # store, and serve the files this agent holds to peers (engine role required).

@@ -18,6 +18,10 @@ def test_refit_bench_prints_its_figures_as_the_last_json_line(tmp_path: Path) ->
     assert figures["pause_s"] < figures["full_reload_pause_s"]
     assert figures["engine"] == "reference"
     assert figures["logprobs_match_after_commit"] is True, figures["logprobs_max_gap"]
+    # The agent's collections while it served, read from its own metrics.
+    assert figures["agent_gc_settle"] is True
+    assert 0 <= figures["agent_gc_pauses_over_20ms"] <= figures["agent_gc_pauses"]
+    assert (figures["agent_gc_s"] > 0) == (figures["agent_gc_pauses"] > 0), figures
     # Each catch-up stage, per core (thread CPU time) and on the wall.
     stages = {"fetch_gb_s", "fold_verify_gb_s", "convert_fp8_gb_s", "convert_nvfp4_gb_s",
               "write_staged_gb_s"}  # fmt: skip

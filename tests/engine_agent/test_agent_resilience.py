@@ -1,6 +1,7 @@
 """An engine agent survives what goes wrong around it, shown on real processes: a staging
 disk that fills up, an engine that restarts, a control plane that forgets the engine, and
-control planes that stop answering.
+control planes that stop answering; and its cycle collector, once booted, leaves the
+imports alone.
 
 Each test starts its own reference engine (BF16), folder store and agent, and, where the
 test needs one, its own control plane on SQLite.
@@ -56,9 +57,9 @@ class Setup:
         cp.notify(RUN, self.chain.latest)
         return cp
 
-    def agent(self, tiny: TinyCheckpoints, **kwargs) -> ManagedProcess:
+    def agent(self, tiny: TinyCheckpoints, name: str = "agent", **kwargs) -> ManagedProcess:
         agent = launch_agent(
-            "agent", self.engine.url, "bf16", self.root, store_root=self.chain.store_root,
+            name, self.engine.url, "bf16", self.root, store_root=self.chain.store_root,
             run_id=RUN, boot_model=tiny.bf16, **kwargs,
         )  # fmt: skip
         self.started.append(agent)
@@ -81,6 +82,30 @@ def alive_info(agent: ManagedProcess) -> dict:
     if not agent.alive():
         raise AssertionError(f"{agent.name} exited:\n{agent.log_tail()}")
     return server_info(agent)
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name)]
+    assert len(values) == 1, f"{name}: {values}"
+    return values[0]
+
+
+def test_a_booted_agent_freezes_what_it_booted_with_and_exports_each_collection(
+    setup: Setup, tiny: TinyCheckpoints
+) -> None:
+    settled = setup.agent(tiny)
+    default = setup.agent(tiny, env_overrides={"TETHER_AGENT_GC_SETTLE": "0"}, name="default")
+    # Settled: one full collection before the freeze (observed), then torch's and
+    # transformers' imports are out of every later collection's scan.
+    assert metric(settled.url or "", "tether_agent_gc_pause_seconds_count") >= 1
+    assert metric(settled.url or "", "tether_agent_gc_pause_seconds_sum") > 0
+    assert metric(settled.url or "", "tether_agent_gc_frozen_objects") > 100_000
+    # Off: CPython's collector as it was, nothing frozen; pauses are still exported.
+    assert metric(default.url or "", "tether_agent_gc_frozen_objects") == 0
+    assert "tether_agent_gc_pause_seconds_bucket" in httpx.get(f"{default.url}/metrics").text
+    for agent in (settled, default):
+        assert generate(agent.url or "", PROMPT).status_code == 200
 
 
 @pytest.fixture

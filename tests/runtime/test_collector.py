@@ -1,17 +1,14 @@
-"""A serving control plane freezes what it started with and collects cycles rarely, and it
-exports how long each collection held it (`controlplane/collector.py`)."""
+"""The cycle collector of a long-running process (`runtime/collector.py`): settled, it
+freezes what exists and, for a control plane, spaces collections out; each collection's
+pause is observed."""
 
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable
-from typing import Any
+import weakref
 
-from prometheus_client.parser import text_string_to_metric_families
-
-from controlplane import collector
-from controlplane.metrics import LoopHistogram
-from tests.controlplane.conftest import Api
+from runtime import collector
+from runtime.loop_metrics import LoopHistogram
 
 SETTLED = (collector.YOUNG, collector.MIDDLE, collector.FULL)
 
@@ -33,6 +30,34 @@ def test_settle_freezes_what_exists_and_the_last_unsettle_restores_the_defaults(
     assert gc.get_freeze_count() == frozen_before
 
 
+class _Node:
+    def __init__(self) -> None:
+        self.me = self  # a cycle: only the collector frees it
+
+
+def test_an_agent_s_settle_collects_first_freezes_and_keeps_cpython_s_thresholds() -> None:
+    before, frozen_before = gc.get_threshold(), gc.get_freeze_count()
+    garbage = weakref.ref(_Node())  # unreachable already, but only a collection frees it
+    kept = _Node()
+    assert garbage() is not None
+    collector.settle(spaced=False, collect_first=True)
+    try:
+        assert garbage() is None, "a garbage cycle of the boot was frozen, never to be freed"
+        assert gc.get_threshold() == before
+        assert gc.get_freeze_count() > frozen_before
+        # What was frozen stays out of full collections: a cycle of it made garbage now
+        # outlives one (freed only by unfreezing, as `unsettle` does).
+        held = weakref.ref(kept)
+        del kept
+        gc.collect()
+        assert held() is not None
+    finally:
+        collector.unsettle()
+    gc.collect()
+    assert held() is None
+    assert gc.get_freeze_count() == frozen_before
+
+
 def test_each_collection_s_pause_is_observed_until_the_observer_is_removed() -> None:
     pauses = LoopHistogram("pauses", "test", buckets=(0.001, 1.0))
     observer = collector.PauseObserver(pauses.observe)
@@ -47,25 +72,3 @@ def test_each_collection_s_pause_is_observed_until_the_observer_is_removed() -> 
     assert observer not in gc.callbacks
     gc.collect()
     assert sum(pauses.counts) == seen
-
-
-def _gc_pauses(api: Api) -> float:
-    for family in text_string_to_metric_families(api.client.get("/metrics").text):
-        if family.name == "tether_gc_pause_seconds":
-            return next(s.value for s in family.samples if s.name.endswith("_count"))
-    raise AssertionError("tether_gc_pause_seconds is not exported")
-
-
-def test_a_serving_control_plane_is_settled_and_exports_its_collections(api: Api) -> None:
-    assert gc.get_threshold() == SETTLED
-    before = _gc_pauses(api)
-    gc.collect()
-    assert _gc_pauses(api) >= before + 1
-
-
-def test_gc_settle_off_leaves_cpython_s_collector_as_it_was(
-    make_api: Callable[..., Any], sqlite_url: str
-) -> None:
-    before = gc.get_threshold()
-    make_api(sqlite_url, gc_settle=False)
-    assert gc.get_threshold() == before != SETTLED

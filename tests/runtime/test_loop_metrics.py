@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from controlplane.metrics import LoopCounter, LoopHistogram
+from runtime.loop_metrics import LoopCounter, LoopHistogram
 
 BUCKETS = (5e-6, 1e-5, 2e-5, 5e-5, 1e-4)
 

@@ -1,0 +1,3 @@
+"""What a long-running Tether process (a control plane, an engine agent) sets up about
+itself: its cycle collector (`collector`) and the tallies its metrics export
+(`loop_metrics`)."""
