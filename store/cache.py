@@ -89,12 +89,15 @@ def fetch_versions(
                 left[index] -= 1
                 report()
 
-    if len(queues) <= 1:
-        for queue in queues.values():
-            fetch(queue)
+    # The calling thread takes the first lane; only the others get threads of their own.
+    first, *others = queues.values() or [[]]
+    if not others:
+        fetch(first)
     else:
-        with concurrent.futures.ThreadPoolExecutor(len(queues)) as pool:
-            for future in [pool.submit(fetch, queue) for queue in queues.values()]:
+        with concurrent.futures.ThreadPoolExecutor(len(others)) as pool:
+            futures = [pool.submit(fetch, queue) for queue in others]
+            fetch(first)  # on failure the others stop at their next file, and are waited for
+            for future in futures:
                 future.result()
     with lock:
         report()  # versions without files
