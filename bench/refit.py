@@ -22,6 +22,9 @@ client generating through the agent, publishes a delta v1 and measures:
 - `agent_gc_pauses`, `agent_gc_s`, `agent_gc_pauses_over_20ms`: the agent's cycle
   collections from the moment it serves until its commit (`--no-agent-gc-settle`: with
   CPython's collector as it was, every full collection rescanning the agent's imports);
+- `agent_health_{p50,p99,max}_ms_staging`: a `GET /health` every 20 ms while the agent
+  stages v1, answered on its event loop: how long staging (threads sharing the GIL) and
+  collections keep that loop, and so its heartbeats and proxied requests, waiting;
 - `logprobs_match_after_commit`: after the staged commit, the engine's prompt logprobs
   equal those transformers computes for v1 (bf16 tolerance) — the weights really changed.
 
@@ -187,6 +190,37 @@ def _client_loop(url: str, stop: threading.Event, done: list[float], tokens: int
                 pass
 
 
+def _probe_loop(url: str, stop: threading.Event, seen: list[tuple[float, float]]) -> None:
+    """`GET /health` every 20 ms on a kept connection: (sent at, seconds to answer). The
+    agent answers it on its event loop, so the time is how long that loop kept it waiting
+    (its heartbeats and the requests it proxies wait the same)."""
+    import httpx
+
+    with httpx.Client(timeout=60) as client:
+        while not stop.wait(0.02):
+            sent, started = time.time(), time.perf_counter()
+            try:
+                client.get(f"{url}/health")
+            except httpx.HTTPError:
+                continue
+            seen.append((sent, time.perf_counter() - started))
+
+
+def _window_ms(seen: list[tuple[float, float]], start: float, end: float) -> dict[str, Any]:
+    """p50, p99 and max (ms) of the probes sent in [start, end]."""
+    import numpy as np
+
+    times = np.array([s for at, s in seen if start <= at <= end]) * 1000
+    if not times.size:
+        return {"probes": 0, "p50_ms": None, "p99_ms": None, "max_ms": None}
+    return {
+        "probes": int(times.size),
+        "p50_ms": significant(float(np.percentile(times, 50)), 3),
+        "p99_ms": significant(float(np.percentile(times, 99)), 3),
+        "max_ms": significant(float(times.max()), 3),
+    }
+
+
 def run(
     hidden: int = 1024,
     layers: int = 16,
@@ -278,6 +312,9 @@ def run(
             target=_client_loop, args=(agent_url, stop, done, client_tokens), daemon=True
         )
         client.start()
+        probes: list[tuple[float, float]] = []
+        probe = threading.Thread(target=_probe_loop, args=(agent_url, stop, probes), daemon=True)
+        probe.start()
         with console.status("publishing v1 (delta) and waiting for the agent's commit"):
             v1 = training_step(v0, seed=1, fraction=update_fraction)
             files = encode_version(v1, v0, version=1, base_version=0, codec="sparse")
@@ -289,11 +326,13 @@ def run(
             )  # fmt: skip
         stop.set()
         client.join(120)
+        probe.join(120)
         gc_pauses = [b - a for a, b in zip(gc_before, _gc_pauses(agent_url), strict=True)]
         last = httpx.get(f"{agent_url}/server_info", timeout=10).json()["last_pass"]
         commit_started = last["finished_at"] - last["commit_s"]
         staging_started = commit_started - last["stage_s"]
         during = sum(1 for t in done if staging_started <= t <= commit_started)
+        health = _window_ms(probes, staging_started, commit_started)
         with console.status("comparing the engine's logprobs with transformers' for v1"):
             # Quantized engines differ from BF16 by design; the check is for BF16.
             matched, gap = (
@@ -383,6 +422,11 @@ def run(
         "agent_gc_pauses": int(gc_pauses[0]),
         "agent_gc_s": significant(gc_pauses[1], 3),
         "agent_gc_pauses_over_20ms": int(gc_pauses[0] - gc_pauses[2]),
+        # `GET /health` every 20 ms while the agent staged v1: how long its loop kept it.
+        "agent_health_probes_staging": health["probes"],
+        "agent_health_p50_ms_staging": health["p50_ms"],
+        "agent_health_p99_ms_staging": health["p99_ms"],
+        "agent_health_max_ms_staging": health["max_ms"],
     }
     # Each catch-up stage as GB of BF16 checkpoint per second of the agent's wall clock (the
     # agent is another process, so its thread CPU time is not visible from here).

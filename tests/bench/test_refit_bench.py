@@ -22,6 +22,12 @@ def test_refit_bench_prints_its_figures_as_the_last_json_line(tmp_path: Path) ->
     assert figures["agent_gc_settle"] is True
     assert 0 <= figures["agent_gc_pauses_over_20ms"] <= figures["agent_gc_pauses"]
     assert (figures["agent_gc_s"] > 0) == (figures["agent_gc_pauses"] > 0), figures
+    # Its event loop probed while it staged (a tiny model may stage between two probes).
+    probes, p50, p99, most = (
+        figures[f"agent_health_{key}_staging"] for key in ("probes", "p50_ms", "p99_ms", "max_ms")
+    )
+    assert (probes == 0) == (p99 is None), figures
+    assert probes == 0 or 0 < p50 <= p99 <= most, figures
     # Each catch-up stage, per core (thread CPU time) and on the wall.
     stages = {"fetch_gb_s", "fold_verify_gb_s", "convert_fp8_gb_s", "convert_nvfp4_gb_s",
               "write_staged_gb_s"}  # fmt: skip
