@@ -68,11 +68,15 @@ def catchup_stages(
     from engine_agent.precision.convert import convert_tensors
     from engine_agent.precision.plan import plan_quantization
     from store.codecs import encode_version, fold, workers
+    from store.codecs.warm import warm
     from store.store import Store
     from store.tensors import total_bytes
     from store.torch_bridge import raw_to_state_dict
     from store.types import VersionRef
 
+    # Loading the codecs' kernels is a process's once-only cost, which an agent pays at
+    # boot (`store/codecs/warm.py`), not a fold's: a first run must not be charged with it.
+    warm()
     full = total_bytes(target)
     codec_threads, torch_threads = workers.threads(), torch.get_num_threads()
     workers.set_threads(1)

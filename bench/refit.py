@@ -22,6 +22,9 @@ client generating through the agent, publishes a delta v1 and measures:
 - `agent_gc_pauses`, `agent_gc_s`, `agent_gc_pauses_over_20ms`: the agent's cycle
   collections from the moment it serves until its commit (`--no-agent-gc-settle`: with
   CPython's collector as it was, every full collection rescanning the agent's imports);
+  `--no-agent-warm-codecs` leaves the codecs' imports and kernels to the agent's first fold
+  (v1's), as before they were warmed at boot; `agent_codecs_warm_s`: what warming took
+  at boot (0 when off);
 - `agent_health_{p50,p99,max}_ms_staging`: a `GET /health` every 20 ms while the agent
   stages v1, answered on its event loop: how long staging (threads sharing the GIL) and
   collections keep that loop, and so its heartbeats and proxied requests, waiting;
@@ -159,22 +162,27 @@ def _stage_with_and_without_incremental(
     }
 
 
-def _gc_pauses(agent_url: str) -> tuple[float, float, float]:
-    """The agent's cycle collections so far: how many, their seconds, and how many held
-    it 20 ms or less (from `tether_agent_gc_pause_seconds`)."""
+def _agent_samples(agent_url: str) -> dict[tuple[str, str | None], float]:
+    """The agent's `/metrics` samples now, keyed (sample name, its `le` label or None)."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(f"{agent_url}/metrics", timeout=10).text
-    samples = {
+    return {
         (sample.name, sample.labels.get("le")): sample.value
         for family in text_string_to_metric_families(text)
-        if family.name == "tether_agent_gc_pause_seconds"
         for sample in family.samples
     }
-    count = samples[("tether_agent_gc_pause_seconds_count", None)]
-    total = samples[("tether_agent_gc_pause_seconds_sum", None)]
-    return count, total, samples[("tether_agent_gc_pause_seconds_bucket", "0.02")]
+
+
+def _gc_pauses(samples: dict[tuple[str, str | None], float]) -> tuple[float, float, float]:
+    """The agent's cycle collections in `samples`: how many, their seconds, and how many
+    held it 20 ms or less (from `tether_agent_gc_pause_seconds`)."""
+    return (
+        samples[("tether_agent_gc_pause_seconds_count", None)],
+        samples[("tether_agent_gc_pause_seconds_sum", None)],
+        samples[("tether_agent_gc_pause_seconds_bucket", "0.02")],
+    )
 
 
 def _client_loop(url: str, stop: threading.Event, done: list[float], tokens: int) -> None:
@@ -234,6 +242,7 @@ def run(
     work_dir: Path | None = None,
     update_fraction: float = 0.05,
     agent_gc_settle: bool = True,
+    agent_warm_codecs: bool = True,
 ) -> dict[str, Any]:
     """Measure one staged refit against naive reloads on a model of the given dimensions,
     served by ENGINE (reference | vllm)."""
@@ -299,12 +308,14 @@ def run(
                 env={
                     "TETHER_AGENT_POINTER_POLL_S": "0.2",
                     "TETHER_AGENT_GC_SETTLE": "1" if agent_gc_settle else "0",
+                    "TETHER_AGENT_WARM_CODECS": "1" if agent_warm_codecs else "0",
                 },
                 url=agent_url,
             )  # fmt: skip
             server.wait_http(ready_path, 900, interval_s=0.05)
             agent.wait_http("/health", 600, interval_s=0.05)
-        gc_before = _gc_pauses(agent_url)
+        booted = _agent_samples(agent_url)
+        gc_before = _gc_pauses(booted)
 
         stop = threading.Event()
         done: list[float] = []
@@ -327,7 +338,8 @@ def run(
         stop.set()
         client.join(120)
         probe.join(120)
-        gc_pauses = [b - a for a, b in zip(gc_before, _gc_pauses(agent_url), strict=True)]
+        gc_after = _gc_pauses(_agent_samples(agent_url))
+        gc_pauses = [b - a for a, b in zip(gc_before, gc_after, strict=True)]
         last = httpx.get(f"{agent_url}/server_info", timeout=10).json()["last_pass"]
         commit_started = last["finished_at"] - last["commit_s"]
         staging_started = commit_started - last["stage_s"]
@@ -419,6 +431,9 @@ def run(
         "logprobs_max_gap": None if gap is None else round(gap, 5),
         # The agent's cycle collections from serving until the commit (`gc_settle`).
         "agent_gc_settle": agent_gc_settle,
+        # Codecs warmed at boot (`store/codecs/warm.py`), or loaded by the first fold.
+        "agent_warm_codecs": agent_warm_codecs,
+        "agent_codecs_warm_s": significant(booted[("tether_agent_codecs_warm_seconds", None)], 3),
         "agent_gc_pauses": int(gc_pauses[0]),
         "agent_gc_s": significant(gc_pauses[1], 3),
         "agent_gc_pauses_over_20ms": int(gc_pauses[0] - gc_pauses[2]),

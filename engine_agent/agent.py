@@ -481,6 +481,8 @@ class Agent:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
+        # Warmed beside the engine's load, which takes far longer (`store/codecs/warm.py`).
+        warming = asyncio.create_task(self._warm_codecs(), name="warm codecs")
         boot = asyncio.create_task(self._boot(), name="boot")
         stop = asyncio.create_task(self._stop.wait(), name="stop")
         await asyncio.wait({boot, stop}, return_when=asyncio.FIRST_COMPLETED)
@@ -488,6 +490,7 @@ class Agent:
             boot.cancel()
             log.info("stopped before the engine answered")
             return 0
+        await warming
         try:
             boot.result()
         except EngineIncompatible as exc:
@@ -507,6 +510,21 @@ class Agent:
         finally:
             if self.settings.gc_settle:
                 collector.unsettle()
+
+    async def _warm_codecs(self) -> None:
+        """Load the decoders' imports and kernels now rather than in the first catch-up; a
+        failure is logged, and that catch-up pays (and reports) it instead."""
+        if not self.settings.warm_codecs:
+            return
+        from store.codecs.warm import warm
+
+        try:
+            seconds = await asyncio.to_thread(warm)
+        except Exception as exc:  # warming is an optimisation, never fatal
+            log.warning("warming the codecs failed: %s: %s", type(exc).__name__, exc)
+            return
+        self.status.codecs_warmed_s = seconds
+        log.info("codecs warmed in %.2fs", seconds)
 
     async def _serve(self, stop: asyncio.Task[Any]) -> int:
         """Serve until stopped or a task fails; the exit code."""

@@ -2,9 +2,10 @@
 
 Owns the metric names of the agent's `/metrics`: the applied version, whether the agent is
 healthy, failed reconcile passes by error type (a full staging disk counts under
-`StageFailed`), peer-assisted fetch (bytes by source, dropped sources, uploads), and how
-long each cycle collection held the process (`GC_PAUSES`, one per process, as the collector
-is). Must never do I/O or change the status it reads.
+`StageFailed`), peer-assisted fetch (bytes by source, dropped sources, uploads), how long
+each cycle collection held the process (`GC_PAUSES`, one per process, as the collector is),
+and how long warming the codecs took at boot. Must never do I/O or change the status it
+reads.
 """
 
 from __future__ import annotations
@@ -62,6 +63,13 @@ class _StatusCollector:
         )
         frozen.add_metric([], gc.get_freeze_count())
         yield frozen
+        warmed = GaugeMetricFamily(
+            "tether_agent_codecs_warm_seconds",
+            "Seconds loading the codecs' imports and kernels took at boot, before serving "
+            "(0: not warmed; the first catch-up paid it)",
+        )
+        warmed.add_metric([], status.codecs_warmed_s or 0.0)
+        yield warmed
 
 
 def _peer_metrics(status: AgentStatus) -> Iterator[Metric]:

@@ -73,6 +73,10 @@ class AgentSettings(BaseSettings):
     # (`runtime/collector.py`); off: CPython's defaults (each full collection rescans the
     # ~0.3 M objects of torch's and transformers' imports while requests wait).
     gc_settle: bool = True
+    # Once the agent starts, and while the engine loads: encode and fold a small delta of
+    # each canonical dtype (`store/codecs/warm.py`), so the codecs' imports and compiled
+    # kernels are loaded before the first catch-up rather than during it, while serving.
+    warm_codecs: bool = True
     # Peer-assisted fetch (docs/peers.md): with a control plane, fetch version files from
     # the peers its fetch plan names (verified against the store's digests) before the
     # store, and serve the files this agent holds to peers (engine role required).

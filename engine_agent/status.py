@@ -69,6 +69,8 @@ class AgentStatus:
     rejected_bytes: int = 0
     served_bytes: int = 0
     served_files: int = 0
+    # Seconds `store.codecs.warm` took at boot; None: not warmed (off, or it failed).
+    codecs_warmed_s: float | None = None
 
     @property
     def sync_state(self) -> SyncState:

@@ -22,6 +22,9 @@ def test_refit_bench_prints_its_figures_as_the_last_json_line(tmp_path: Path) ->
     assert figures["agent_gc_settle"] is True
     assert 0 <= figures["agent_gc_pauses_over_20ms"] <= figures["agent_gc_pauses"]
     assert (figures["agent_gc_s"] > 0) == (figures["agent_gc_pauses"] > 0), figures
+    # Its codecs warmed at boot, before it served.
+    assert figures["agent_warm_codecs"] is True
+    assert figures["agent_codecs_warm_s"] > 0
     # Its event loop probed while it staged (a tiny model may stage between two probes).
     probes, p50, p99, most = (
         figures[f"agent_health_{key}_staging"] for key in ("probes", "p50_ms", "p99_ms", "max_ms")

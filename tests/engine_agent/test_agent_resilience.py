@@ -1,7 +1,7 @@
 """An engine agent survives what goes wrong around it, shown on real processes: a staging
 disk that fills up, an engine that restarts, a control plane that forgets the engine, and
-control planes that stop answering; and its cycle collector, once booted, leaves the
-imports alone.
+control planes that stop answering; and once booted, its codecs are warm and its cycle
+collector leaves the imports alone.
 
 Each test starts its own reference engine (BF16), folder store and agent, and, where the
 test needs one, its own control plane on SQLite.
@@ -91,11 +91,19 @@ def metric(url: str, name: str) -> float:
     return values[0]
 
 
-def test_a_booted_agent_freezes_what_it_booted_with_and_exports_each_collection(
+def test_a_booted_agent_warms_its_codecs_freezes_what_it_booted_with_and_exports_both(
     setup: Setup, tiny: TinyCheckpoints
 ) -> None:
     settled = setup.agent(tiny)
-    default = setup.agent(tiny, env_overrides={"TETHER_AGENT_GC_SETTLE": "0"}, name="default")
+    default = setup.agent(
+        tiny,
+        env_overrides={"TETHER_AGENT_GC_SETTLE": "0", "TETHER_AGENT_WARM_CODECS": "0"},
+        name="default",
+    )
+    # Warmed before serving (what that leaves the first fold is tests/store/test_codec_warm);
+    # off, the first catch-up pays it.
+    assert metric(settled.url or "", "tether_agent_codecs_warm_seconds") > 0
+    assert metric(default.url or "", "tether_agent_codecs_warm_seconds") == 0
     # Settled: one full collection before the freeze (observed), then torch's and
     # transformers' imports are out of every later collection's scan.
     assert metric(settled.url or "", "tether_agent_gc_pause_seconds_count") >= 1

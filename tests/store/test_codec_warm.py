@@ -1,0 +1,86 @@
+"""`store.codecs.warm`: once it has run, folding a catch-up's delta loads no compiled kernel.
+
+Each case runs in a fresh interpreter (the kernels a process has loaded are per process, and
+this one's earlier tests load them), which lists the codec kernels' loaded signatures before
+`warm()`, after it, and after encoding and folding a delta shaped like real updates.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+PROBE = """
+import json, sys
+import numba
+import numpy as np
+from store.codecs import class_kernels, decode_version, encode_version, sparse_kernels
+from store.tensors import RawTensor
+
+def loaded():
+    return {
+        f"{module.__name__}.{name}{signature}"
+        for module in (class_kernels, sparse_kernels)
+        for name, kernel in vars(module).items()
+        if isinstance(kernel, numba.core.dispatcher.Dispatcher)
+        for signature in kernel.signatures
+    }
+
+before = loaded()
+if sys.argv[1] == "warm":
+    from store.codecs.warm import warm
+    seconds = warm()
+    assert seconds > 0, seconds
+warmed = loaded()
+# Updates as a catch-up meets them: an RL step's sparse small moves, denser ones, a few
+# large moves, a norm's handful of elements; BF16 weights and F32 tables.
+rng = np.random.default_rng(11)
+base, target = {}, {}
+for dtype, width, size, share, ulps in [
+    ("BF16", "<u2", 1 << 18, 0.002, 3), ("BF16", "<u2", 1 << 18, 0.1, 3),
+    ("BF16", "<u2", 1 << 17, 0.05, 1 << 12), ("BF16", "<u2", 7, 0.5, 3),
+    ("F32", "<u4", 1024, 0.3, 3), ("F32", "<u4", 1 << 16, 0.01, 1 << 20),
+]:
+    high = 0x3C00 if width == "<u2" else 0x3C000000
+    bits = (rng.integers(0, high >> 2, size) + high).astype(width)
+    moved = bits + (rng.random(size) < share) * rng.integers(1, ulps + 1, size)
+    name = f"{dtype}.{size}.{share}"
+    base[name] = RawTensor(dtype, (size,), bits.view(np.uint8))
+    target[name] = RawTensor(dtype, (size,), moved.astype(width).view(np.uint8))
+files = encode_version(target, base, version=1, base_version=0, codec="sparse")
+encoded = loaded()
+folded = decode_version(files, base)
+assert all((folded[k].data == target[k].data).all() for k in target)
+print(json.dumps({
+    "before": sorted(before),
+    "warmed": sorted(warmed - before),
+    "loaded_by_fold": sorted(loaded() - encoded),
+}))
+"""
+
+
+def probe(mode: str) -> dict[str, list[str]]:
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE, mode], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("mode", ["warm", "cold"])
+def test_after_warm_a_catch_up_s_fold_loads_no_kernel_of_its_own(mode: str) -> None:
+    seen = probe(mode)
+    assert seen["before"] == [], "importing the codecs alone must load no kernel"
+    if mode == "warm":
+        assert any("apply" in kernel for kernel in seen["warmed"]), seen["warmed"]
+        assert seen["loaded_by_fold"] == [], "kernels warm() left to the first fold"
+    else:
+        # The comparison the warm case needs: unwarmed, that same fold loads its decoders.
+        assert seen["warmed"] == []
+        assert len(seen["loaded_by_fold"]) >= 3, seen["loaded_by_fold"]
