@@ -11,7 +11,9 @@ client generating through the agent, publishes a delta v1 and measures:
   `convert_gb_s` for `--precision`, `write_gb_s`) on the agent's wall clock;
 - `stages_gb_s_per_core` / `stages_gb_s_wall`: the same catch-up of v1 run in this process
   (`bench.catchup`: fetch, fold + verify, convert to FP8, convert to NVFP4, write the staged
-  folder), per core (thread CPU time, one codec and one torch thread) beside the wall clock;
+  folder), per core (thread CPU time, one codec and one torch thread) beside the wall clock,
+  each stage the better of two runs (the first touches fresh memory, which on a VM whose
+  host backs pages on first touch cost the fold 3-4x);
 - `pause_s`: how long the engine was paused for the commit (pause → load → continue);
 - `requests_during_staging`: client requests completed inside the staging window;
 - `full_reload_pause_s`: the naive refit, where the engine stops serving until a fresh
@@ -400,7 +402,7 @@ def run(
             else {}
         )
         with console.status("each catch-up stage of v1 in process, per core and on the wall"):
-            per_core, wall = catchup_stages(v1, v0, root / "stages")
+            per_core, wall = catchup_stages(v1, v0, root / "stages", repeats=2)
     finally:
         processes.stop_all(15)
         if scratch is not None:
