@@ -247,27 +247,6 @@ class Case:
         return self.targeted and self.kind != "density"
 
 
-def warm_up() -> None:
-    """Encode and apply one small change in every element width, so that the codec's
-    compiled kernels are loaded (compiled on a machine's first run) before any timing."""
-    from store.codecs import encode_version, fold
-    from store.tensors import RawTensor
-
-    for dtype, width in (("U8", 1), ("BF16", 2), ("F32", 4)):
-        base = {"w": RawTensor(dtype, (4096,), np.zeros(4096 * width, np.uint8))}
-        data = base["w"].data.copy()
-        data[::7] = 1
-        target = {"w": RawTensor(dtype, (4096,), data)}
-        files = encode_version(target, base, version=1, base_version=0, codec="sparse")
-        fold(base, [files])
-    # And sparse-v3's class form: changes only where the base is small.
-    bits = np.arange(0x3000, 0x4000, dtype=np.uint16)
-    moved = np.where(bits < 0x3400, bits + np.uint16(1), bits).astype(np.uint16)
-    base = {"w": RawTensor("BF16", (bits.size,), bits.view(np.uint8))}
-    target = {"w": RawTensor("BF16", (bits.size,), moved.view(np.uint8))}
-    fold(base, [encode_version(target, base, version=1, base_version=0, codec="sparse")])
-
-
 def _wall(fn: Callable[[], object], repeats: int) -> float:
     """Best wall-clock seconds of `repeats` runs (the least disturbed by other processes)."""
     best = math.inf
@@ -577,9 +556,12 @@ def run(
 ) -> dict:
     """Encode every case with every delta codec; print the table and one JSON line."""
     from store.codecs import workers
+    from store.codecs.warm import WARM_DTYPES, warm
     from store.synthetic import random_checkpoint
 
-    warm_up()
+    # Every kernel loaded (compiled on a machine's first run) before any timing; U8 for the
+    # quantized views' tensors.
+    warm((*WARM_DTYPES, "U8"))
     load_before = os.getloadavg()
     shapes = qwen3_shapes(params)
     n_params = sum(math.prod(s) for s in shapes.values())

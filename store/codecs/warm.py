@@ -28,6 +28,11 @@ _ELEMENTS = 1 << 16
 _CHANGES = ((0.005, 2), (0.3, 2), (0.05, 1 << 12))
 # A norm's or a bias's few elements: small tensors are coded together, from other buffers.
 _SMALL = 64
+# An optimizer's step: values under this magnitude move by one ulp, larger ones stay (a
+# step of lr·~1 changes a value only where it exceeds half the value's ulp). Changes that
+# follow the base's values are coded by class (sparse-v3), with kernels of their own, and
+# classes (binades) where nearly every value moved by their complement: three binades here.
+_SMALL_VALUES = 2.0**-6
 
 
 def warm(dtypes: Sequence[str] = WARM_DTYPES, codec: str = "sparse") -> float:
@@ -50,6 +55,11 @@ def warm(dtypes: Sequence[str] = WARM_DTYPES, codec: str = "sparse") -> float:
             moved = bits + (rng.random(_ELEMENTS) < share) * rng.integers(1, ulps + 1, _ELEMENTS)
             base[name] = RawTensor(dtype, (_ELEMENTS,), bits.view(np.uint8))
             target[name] = RawTensor(dtype, (_ELEMENTS,), moved.astype(width).view(np.uint8))
+        stepped = np.where(values < np.float32(_SMALL_VALUES).view("<u4"), bits + 1, bits)
+        base[f"{dtype.lower()}.step"] = base[name]
+        target[f"{dtype.lower()}.step"] = RawTensor(
+            dtype, (_ELEMENTS,), stepped.astype(width).view(np.uint8)
+        )
         small = bits[:_SMALL].copy()
         small[::3] += 1
         base[f"{dtype.lower()}.small"] = RawTensor(dtype, (_SMALL,), bits[:_SMALL].view(np.uint8))
