@@ -47,23 +47,23 @@ def warm(dtypes: Sequence[str] = WARM_DTYPES, codec: str = "sparse") -> float:
     target: dict[str, RawTensor] = {}
     for dtype in dtypes:
         width = ELEMENT_BITS[dtype_size(dtype)]
+        # Positive finite values of a trained weight's magnitudes (2^-9 to 2^-4), as bits.
+        values = rng.uniform(2.0**-9, 2.0**-4, _ELEMENTS).astype("<f4").view("<u4")
+        bits = (values >> 16 if width.itemsize == 2 else values).astype(width)
+        moves = {}
         for share, ulps in _CHANGES:
-            name = f"{dtype.lower()}.{share}.{ulps}"
-            # Positive finite values of a trained weight's magnitudes (2^-9 to 2^-4).
-            values = rng.uniform(2.0**-9, 2.0**-4, _ELEMENTS).astype("<f4").view("<u4")
-            bits = (values >> 16 if width.itemsize == 2 else values).astype(width)
-            moved = bits + (rng.random(_ELEMENTS) < share) * rng.integers(1, ulps + 1, _ELEMENTS)
-            base[name] = RawTensor(dtype, (_ELEMENTS,), bits.view(np.uint8))
-            target[name] = RawTensor(dtype, (_ELEMENTS,), moved.astype(width).view(np.uint8))
-        stepped = np.where(values < np.float32(_SMALL_VALUES).view("<u4"), bits + 1, bits)
-        base[f"{dtype.lower()}.step"] = base[name]
-        target[f"{dtype.lower()}.step"] = RawTensor(
-            dtype, (_ELEMENTS,), stepped.astype(width).view(np.uint8)
-        )
+            moving = rng.random(_ELEMENTS) < share
+            moves[f"{share}.{ulps}"] = bits + moving * rng.integers(1, ulps + 1, _ELEMENTS)
+        moves["step"] = np.where(values < np.float32(_SMALL_VALUES).view("<u4"), bits + 1, bits)
+        for case, moved in moves.items():
+            base[f"{dtype}.{case}"] = RawTensor(dtype, bits.shape, bits.view(np.uint8))
+            target[f"{dtype}.{case}"] = RawTensor(
+                dtype, bits.shape, moved.astype(width).view(np.uint8)
+            )
         small = bits[:_SMALL].copy()
         small[::3] += 1
-        base[f"{dtype.lower()}.small"] = RawTensor(dtype, (_SMALL,), bits[:_SMALL].view(np.uint8))
-        target[f"{dtype.lower()}.small"] = RawTensor(dtype, (_SMALL,), small.view(np.uint8))
+        base[f"{dtype}.small"] = RawTensor(dtype, small.shape, bits[:_SMALL].view(np.uint8))
+        target[f"{dtype}.small"] = RawTensor(dtype, small.shape, small.view(np.uint8))
     files = encode_version(target, base, version=1, base_version=0, codec=codec)
     decode_version(files, base)
     return time.perf_counter() - started
