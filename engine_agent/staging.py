@@ -125,7 +125,7 @@ class Stager:
         from engine_agent.precision.checkpoint import (
             copy_side_files,
             folder_checksums,
-            write_safetensors_folder,
+            write_safetensors_folder_hashed,
         )
         from store.torch_bridge import raw_to_state_dict
 
@@ -148,7 +148,7 @@ class Stager:
         scratch = self.root / f".writing-{final.name}"
         shutil.rmtree(scratch, ignore_errors=True)
         try:
-            size = write_safetensors_folder(scratch, out_tensors)
+            size, written = write_safetensors_folder_hashed(scratch, out_tensors)
             (scratch / "config.json").write_text(
                 json.dumps(out_config, indent=2, sort_keys=True) + "\n"
             )
@@ -156,7 +156,7 @@ class Stager:
                 (scratch / name).write_text(json.dumps(body, indent=2, sort_keys=True) + "\n")
             if self.boot_model is not None:
                 copy_side_files(self.boot_model, scratch)
-            checksums = folder_checksums(scratch)
+            checksums = folder_checksums(scratch, known=written)
             shutil.rmtree(final, ignore_errors=True)
             scratch.rename(final)
         except Exception as exc:

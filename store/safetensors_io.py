@@ -13,9 +13,11 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from store.errors import CorruptPayload, InvalidName
 from store.tensors import DTYPE_SIZES, RawTensor, as_buffer
@@ -65,8 +67,10 @@ def _layout_order(tensors: Mapping[str, RawTensor]) -> list[str]:
     return sorted(tensors, key=lambda n: (-_DTYPE_RANK.get(tensors[n].dtype, 0), n))
 
 
-def dump(tensors: Mapping[str, RawTensor], metadata: Mapping[str, str] | None = None) -> bytes:
-    """Serialize `tensors` (and string `metadata`) to safetensors bytes."""
+def _head(
+    tensors: Mapping[str, RawTensor], metadata: Mapping[str, str] | None
+) -> tuple[bytes, list[str]]:
+    """The length prefix and padded JSON header of `tensors`, and their names in layout order."""
     header: dict[str, Any] = {}
     if metadata:
         for key, value in metadata.items():
@@ -88,10 +92,35 @@ def dump(tensors: Mapping[str, RawTensor], metadata: Mapping[str, str] | None = 
         offset += tensor.nbytes
     text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text, names
+
+
+def dump(tensors: Mapping[str, RawTensor], metadata: Mapping[str, str] | None = None) -> bytes:
+    """Serialize `tensors` (and string `metadata`) to safetensors bytes."""
+    head, names = _head(tensors, metadata)
     # One copy of each tensor straight into the result; no intermediate buffer.
-    parts: list[bytes | memoryview] = [struct.pack("<Q", len(text)), text]
+    parts: list[bytes | memoryview] = [head]
     parts += (as_buffer(tensors[name].data) for name in names)
     return b"".join(parts)
+
+
+def write_file(
+    path: str | Path, tensors: Mapping[str, RawTensor], metadata: Mapping[str, str] | None = None
+) -> tuple[int, str]:
+    """Write the bytes `dump` would give to `path`, tensor by tensor (never the whole file in
+    memory); return the bytes written and their xxh3-128 hex digest (`file_checksum`'s),
+    taken from the tensors in memory rather than by reading the file back."""
+    head, names = _head(tensors, metadata)
+    digest = xxhash.xxh3_128(head)
+    size = len(head)
+    with open(path, "wb") as out:
+        out.write(head)
+        for name in names:
+            data = as_buffer(tensors[name].data)
+            digest.update(data)
+            out.write(data)
+            size += data.nbytes
+    return size, digest.hexdigest()
 
 
 def read_header(buf: bytes | bytearray | memoryview) -> tuple[dict[str, Any], int]:

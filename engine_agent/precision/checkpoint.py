@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,29 +32,52 @@ SIDE_FILES = (
 
 def write_safetensors_folder(out: Path, tensors: dict[str, torch.Tensor]) -> int:
     """Write `tensors` as one shard plus its index into `out`; return the bytes written."""
-    from safetensors.torch import save_file
+    return write_safetensors_folder_hashed(out, tensors)[0]
+
+
+def write_safetensors_folder_hashed(
+    out: Path, tensors: dict[str, torch.Tensor]
+) -> tuple[int, dict[str, str]]:
+    """`write_safetensors_folder`, also returning the xxh3-128 digest of each file it wrote
+    (as `folder_checksums` gives them), hashed from memory as it writes: reading a staged
+    shard back to hash it cost a fifth of the write stage (0.18 s per 400 MB here).
+
+    The shard's bytes are those of `safetensors.torch.save_file` (its layout, metadata
+    `{"format": "pt"}`), written by `store.safetensors_io` one tensor at a time.
+    """
+    from store.checksum import tensor_checksum
+    from store.safetensors_io import write_file
+    from store.torch_bridge import state_dict_to_raw
 
     out.mkdir(parents=True, exist_ok=True)
     ordered = {name: tensors[name].contiguous() for name in sorted(tensors)}
-    save_file(ordered, str(out / SHARD_NAME), metadata={"format": "pt"})
-    size = (out / SHARD_NAME).stat().st_size
+    size, shard_digest = write_file(
+        out / SHARD_NAME, state_dict_to_raw(ordered, copy=False), {"format": "pt"}
+    )
     index = {
         "metadata": {"total_size": sum(t.numel() * t.element_size() for t in ordered.values())},
         "weight_map": dict.fromkeys(ordered, SHARD_NAME),
     }
-    (out / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    return size
+    index_text = (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
+    (out / INDEX_NAME).write_bytes(index_text)
+    return size, {SHARD_NAME: shard_digest, INDEX_NAME: tensor_checksum(index_text)}
 
 
-def folder_checksums(folder: str | Path) -> dict[str, str]:
-    """xxh3-128 of every file directly in `folder`, by file name.
+def folder_checksums(folder: str | Path, known: Mapping[str, str] | None = None) -> dict[str, str]:
+    """xxh3-128 of every file directly in `folder`, by file name; a file named in `known`
+    takes its digest from there instead of being read (`write_safetensors_folder_hashed`).
 
     Two agents that staged the same version at the same precision log the same digests;
     an incremental and a full conversion of one version do too.
     """
     from store.checksum import file_checksum
 
-    return {p.name: file_checksum(p) for p in sorted(Path(folder).iterdir()) if p.is_file()}
+    known = known or {}
+    return {
+        p.name: known.get(p.name) or file_checksum(p)
+        for p in sorted(Path(folder).iterdir())
+        if p.is_file()
+    }
 
 
 def read_config(folder: str | Path) -> dict[str, Any]:

@@ -574,3 +574,40 @@ def test_calibrated_input_scales_are_powers_of_two_over_2688_for_every_quantized
     for value in scales.values():
         exponent = torch.log2(torch.tensor(value * 2688.0))
         assert exponent == torch.round(exponent)
+
+
+def test_a_hashed_folder_write_gives_save_file_s_bytes_and_the_digests_on_disk(
+    tmp_path: Path,
+) -> None:
+    from safetensors.torch import save_file
+
+    from engine_agent.precision.checkpoint import (
+        INDEX_NAME,
+        SHARD_NAME,
+        folder_checksums,
+        write_safetensors_folder_hashed,
+    )
+
+    tensors = {
+        "model.layers.0.mlp.down_proj.weight": torch.randn(64, 32).to(torch.float8_e4m3fn),
+        "model.layers.0.mlp.down_proj.weight_scale_inv": torch.rand(1, 1),
+        "model.layers.0.input_layernorm.weight": torch.randn(32).to(torch.bfloat16),
+        "model.layers.0.self_attn.q_proj.weight_packed": torch.randint(0, 255, (8, 16)).to(
+            torch.uint8
+        ),
+        "model.layers.0.self_attn.q_proj.input_scale": torch.tensor(0.25),
+    }
+    size, digests = write_safetensors_folder_hashed(tmp_path / "out", tensors)
+    # Byte for byte what engines loaded before: the reference writer's layout and metadata.
+    reference = tmp_path / "reference.safetensors"
+    save_file({n: tensors[n] for n in sorted(tensors)}, str(reference), {"format": "pt"})
+    assert (tmp_path / "out" / SHARD_NAME).read_bytes() == reference.read_bytes()
+    assert size == reference.stat().st_size
+    # The digests hashed while writing are those of the files as written.
+    assert digests == folder_checksums(tmp_path / "out")
+    assert set(digests) == {SHARD_NAME, INDEX_NAME}
+    # And `known` digests are taken as given, the others read.
+    (tmp_path / "out" / "config.json").write_text("{}\n")
+    both = folder_checksums(tmp_path / "out", known={SHARD_NAME: "given"})
+    assert both[SHARD_NAME] == "given" and both[INDEX_NAME] == digests[INDEX_NAME]
+    assert set(both) == {SHARD_NAME, INDEX_NAME, "config.json"}

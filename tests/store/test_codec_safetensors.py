@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import safetensors.numpy
 import safetensors.torch
 import torch
 
-from store.errors import CorruptPayload
-from store.safetensors_io import dump, load, read_header
+from store.checksum import file_checksum
+from store.errors import CorruptPayload, InvalidName
+from store.safetensors_io import dump, load, read_header, write_file
 from store.tensors import RawTensor
 from store.torch_bridge import state_dict_to_raw
 
@@ -40,6 +43,30 @@ def test_dump_matches_the_reference_library_for_bf16_and_fp8():
         "w.f32": torch.randn(2),
     }
     assert dump(state_dict_to_raw(sd)) == safetensors.torch.save(sd)
+
+
+def test_write_file_writes_dump_s_bytes_and_returns_their_size_and_file_checksum(
+    tmp_path: Path,
+) -> None:
+    sd = {
+        "w.bf16": torch.randn(64, 3).to(torch.bfloat16),
+        "w.fp8": torch.randn(4, 4).to(torch.float8_e4m3fn),
+        "s.scalar": torch.tensor(0.5),
+        "z.empty": torch.zeros(0, 2),
+    }
+    raw = state_dict_to_raw(sd)
+    path = tmp_path / "m.safetensors"
+    size, digest = write_file(path, raw, {"format": "pt"})
+    assert path.read_bytes() == dump(raw, {"format": "pt"})
+    assert path.read_bytes() == safetensors.torch.save(sd, metadata={"format": "pt"})
+    assert (size, digest) == (path.stat().st_size, file_checksum(path))
+
+
+def test_write_file_refuses_bad_metadata_before_creating_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "m.safetensors"
+    with pytest.raises(InvalidName, match="metadata must map str to str"):
+        write_file(path, {"x": RawTensor("U8", (1,), np.ones(1, np.uint8))}, {"k": 1})  # type: ignore[dict-item]
+    assert not path.exists()
 
 
 def test_load_reads_reference_files_as_zero_copy_views():
