@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import xxhash
 
+from store.checksum import TensorDigest
 from store.errors import CorruptPayload, InvalidName
 from store.tensors import DTYPE_SIZES, RawTensor, as_buffer
 
@@ -111,15 +111,12 @@ def write_file(
     memory); return the bytes written and their xxh3-128 hex digest (`file_checksum`'s),
     taken from the tensors in memory rather than by reading the file back."""
     head, names = _head(tensors, metadata)
-    digest = xxhash.xxh3_128(head)
-    size = len(head)
+    size = len(head) + sum(tensors[name].nbytes for name in names)
+    digest = TensorDigest(size)
     with open(path, "wb") as out:
-        out.write(head)
-        for name in names:
-            data = as_buffer(tensors[name].data)
+        for data in (memoryview(head), *(as_buffer(tensors[name].data) for name in names)):
             digest.update(data)
             out.write(data)
-            size += data.nbytes
     return size, digest.hexdigest()
 
 
