@@ -37,7 +37,7 @@ from typing import Any
 from bench.capped_link import CappedObjects, Egress, Link, SharedLink
 from bench.null_engine import NullEngine
 from runtime import collector
-from store.codecs.warm import warm
+from store.codecs.warm import warm_decoders
 
 log = logging.getLogger(__name__)
 
@@ -301,7 +301,7 @@ async def _serve(worker: int, spec: SwarmSpec, pipes: Pipes) -> None:
     collector.PauseObserver(share.gc_paused).install()
     # Once for all the agents of this process, as each real agent does while its engine
     # loads (`AgentSettings.warm_codecs`): no first catch-up here loads the codecs' kernels.
-    warm()
+    warm_decoders()
     stopping = asyncio.Event()
 
     def terminate() -> None:  # SIGTERM (the bench closing its workers): stop as asked to

@@ -516,10 +516,10 @@ class Agent:
         failure is logged, and that catch-up pays (and reports) it instead."""
         if not self.settings.warm_codecs:
             return
-        from store.codecs.warm import warm
+        from store.codecs.warm import warm_decoders
 
         try:
-            seconds = await asyncio.to_thread(warm)
+            seconds = await asyncio.to_thread(warm_decoders)
         except Exception as exc:  # warming is an optimisation, never fatal
             log.warning("warming the codecs failed: %s: %s", type(exc).__name__, exc)
             return

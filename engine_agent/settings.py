@@ -73,8 +73,8 @@ class AgentSettings(BaseSettings):
     # (`runtime/collector.py`); off: CPython's defaults (each full collection rescans the
     # ~0.3 M objects of torch's and transformers' imports while requests wait).
     gc_settle: bool = True
-    # Once the agent starts, and while the engine loads: encode and fold a small delta of
-    # each canonical dtype (`store/codecs/warm.py`), so the codecs' imports and compiled
+    # Once the agent starts, and while the engine loads: fold a small shipped delta of each
+    # canonical dtype (`store/codecs/warm.py`), so the decoders' imports and compiled
     # kernels are loaded before the first catch-up rather than during it, while serving.
     warm_codecs: bool = True
     # Peer-assisted fetch (docs/peers.md): with a control plane, fetch version files from

@@ -1,18 +1,27 @@
-"""Warming the decoders before the first catch-up needs them.
+"""Warming the codecs before the first catch-up needs them.
 
 A process's first fold pays once for what later folds get for free: importing the codecs
 (numba among them) and loading each compiled kernel from numba's on-disk cache, or
 compiling it when the cache is cold. In an engine agent that first fold runs while the
 engine serves, in threads sharing the GIL with the proxy and the heartbeats, and it makes
-the first version late by that much. `warm()` pays it up front: it encodes a small delta
-of each canonical dtype and folds it back, in memory, through the codec a trainer publishes
-with by default. Never touches a store or the network.
+the first version late by that much.
+
+`warm_decoders()` pays it up front for a process that only folds (an engine agent): it
+folds a small delta shipped with this package (`warm_delta/`) onto a base it regenerates,
+in memory, and verifies the result. `warm()` encodes that delta first, for a process that
+also encodes (a trainer, the benchmarks). Neither touches a store or the network.
+
+`python -m store.codecs.warm --write` rewrites the shipped delta after a change to the
+codec or to the cases below; a test fails until it matches a fresh encode.
 """
 
 from __future__ import annotations
 
+import argparse
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from importlib import resources
+from pathlib import Path
 
 import numpy as np
 
@@ -20,6 +29,10 @@ from store.tensors import ELEMENT_BITS, RawTensor, dtype_size
 
 # Dtypes a published checkpoint holds: BF16 weights, F32 norms or router tables.
 WARM_DTYPES = ("BF16", "F32")
+# The codec a trainer publishes with by default.
+WARM_CODEC = "sparse"
+# The shipped delta: `WARM_DTYPES`' case encoded with `WARM_CODEC`, as a version's files.
+SHIPPED = "warm_delta"
 # Enough elements that the codec plans several blocks of each tensor.
 _ELEMENTS = 1 << 16
 # (share of elements changed, how far each moves in units in the last place): an RL step's
@@ -35,13 +48,10 @@ _SMALL = 64
 _SMALL_VALUES = 2.0**-6
 
 
-def warm(dtypes: Sequence[str] = WARM_DTYPES, codec: str = "sparse") -> float:
-    """Encode and fold back a small delta of each of `dtypes` with `codec`; the seconds it
-    took. The fold verifies its result as a catch-up does, so a codec that cannot fold what
-    it wrote fails here (`store.errors`), before any version depends on it."""
-    from store.codecs import decode_version, encode_version
-
-    started = time.perf_counter()
+def warm_case(
+    dtypes: Sequence[str] = WARM_DTYPES,
+) -> tuple[dict[str, RawTensor], dict[str, RawTensor]]:
+    """(base, target): the same small update of each of `dtypes` on every call."""
     rng = np.random.default_rng(0)
     base: dict[str, RawTensor] = {}
     target: dict[str, RawTensor] = {}
@@ -64,6 +74,90 @@ def warm(dtypes: Sequence[str] = WARM_DTYPES, codec: str = "sparse") -> float:
         small[::3] += 1
         base[f"{dtype}.small"] = RawTensor(dtype, small.shape, bits[:_SMALL].view(np.uint8))
         target[f"{dtype}.small"] = RawTensor(dtype, small.shape, small.view(np.uint8))
-    files = encode_version(target, base, version=1, base_version=0, codec=codec)
+    return base, target
+
+
+def encode_case(dtypes: Sequence[str] = WARM_DTYPES, codec: str = WARM_CODEC) -> dict[str, bytes]:
+    """The files of `warm_case(dtypes)`'s update, encoded with `codec` as version 1 of 0."""
+    from store.codecs import encode_version
+
+    base, target = warm_case(dtypes)
+    return encode_version(target, base, version=1, base_version=0, codec=codec)
+
+
+def shipped_delta() -> dict[str, bytes]:
+    """The shipped files of `encode_case()`, by file name."""
+    folder = resources.files(__package__) / SHIPPED
+    return {entry.name: entry.read_bytes() for entry in folder.iterdir() if entry.is_file()}
+
+
+def _fold(files: Mapping[str, bytes], base: Mapping[str, RawTensor]) -> None:
+    # The fold verifies each tensor it writes against the delta's checksums, as a catch-up
+    # does: a codec that cannot fold the delta fails here (`store.errors`), before any
+    # version depends on it.
+    from store.codecs import decode_version
+
     decode_version(files, base)
+
+
+def warm_decoders() -> float:
+    """Fold the shipped delta onto its regenerated base; the seconds it took."""
+    started = time.perf_counter()
+    base, _ = warm_case()
+    _fold(shipped_delta(), base)
     return time.perf_counter() - started
+
+
+def warm(dtypes: Sequence[str] = WARM_DTYPES, codec: str = WARM_CODEC) -> float:
+    """Encode and fold back a small update of each of `dtypes` with `codec`; the seconds
+    it took. Loads the encoders' kernels as well as the decoders'."""
+    started = time.perf_counter()
+    base, _ = warm_case(dtypes)
+    _fold(encode_case(dtypes, codec), base)
+    return time.perf_counter() - started
+
+
+def write_shipped(folder: Path) -> list[Path]:
+    """Write `encode_case()`'s files into `folder` (emptied of other files first)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    files = encode_case()
+    for stale in folder.iterdir():
+        if stale.is_file() and stale.name not in files:
+            stale.unlink()
+    written = []
+    for name, data in sorted(files.items()):
+        (folder / name).write_bytes(data)
+        written.append(folder / name)
+    return written
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m store.codecs.warm",
+        description="Load the codecs' compiled kernels (compiling them into numba's cache "
+        "when it is cold), as an engine agent does at boot. Run it when building an image "
+        "so the cache ships with it.",
+    )
+    parser.add_argument(
+        "--encoders",
+        action="store_true",
+        help="also load the encoders' kernels (a trainer's process needs them; an agent's not)",
+    )
+    parser.add_argument(
+        "--write",
+        action="store_true",
+        help=f"rewrite the shipped delta ({SHIPPED}/ beside this module) from a fresh encode; "
+        "after changing the codec or the warm-up's cases",
+    )
+    args = parser.parse_args(argv)
+    if args.write:
+        for path in write_shipped(Path(__file__).with_name(SHIPPED)):
+            print(f"wrote {path} ({path.stat().st_size} bytes)")
+        return 0
+    seconds = warm() if args.encoders else warm_decoders()
+    print(f"codecs warmed in {seconds:.2f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,8 +1,8 @@
 """`store.codecs.warm`: once it has run, folding a catch-up's delta loads no compiled kernel.
 
-Each case runs in a fresh interpreter (the kernels a process has loaded are per process, and
+Each probe runs in a fresh interpreter (the kernels a process has loaded are per process, and
 this one's earlier tests load them), which lists the codec kernels' loaded signatures before
-`warm()`, after it, and after encoding and folding a delta shaped like real updates.
+warming, after it, and after encoding and folding a delta shaped like real updates.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -33,9 +34,9 @@ def loaded():
     }
 
 before = loaded()
-if sys.argv[1] == "warm":
-    from store.codecs.warm import warm
-    seconds = warm()
+if sys.argv[1] != "cold":
+    from store.codecs import warm
+    seconds = warm.warm_decoders() if sys.argv[1] == "decoders" else warm.warm()
     assert seconds > 0, seconds
 warmed = loaded()
 # Updates as a catch-up meets them: an RL step's sparse small moves, denser ones, a few
@@ -78,14 +79,64 @@ def probe(mode: str) -> dict[str, list[str]]:
     return json.loads(done.stdout.splitlines()[-1])
 
 
-@pytest.mark.parametrize("mode", ["warm", "cold"])
+@pytest.mark.parametrize("mode", ["decoders", "encoders", "cold"])
 def test_after_warm_a_catch_up_s_fold_loads_no_kernel_of_its_own(mode: str) -> None:
     seen = probe(mode)
     assert seen["before"] == [], "importing the codecs alone must load no kernel"
-    if mode == "warm":
+    if mode != "cold":
         assert any("apply_classes" in kernel for kernel in seen["warmed"]), seen["warmed"]
-        assert seen["loaded_by_fold"] == [], "kernels warm() left to the first fold"
+        assert seen["loaded_by_fold"] == [], "kernels the warm-up left to the first fold"
+        # What the agent's warm-up saves: it folds a shipped delta and loads no encoder
+        # (`change_mask` finds an update's changed words; only an encode calls it).
+        encoders = [kernel for kernel in seen["warmed"] if ".change_mask(" in kernel]
+        assert (encoders == []) == (mode == "decoders"), seen["warmed"]
     else:
         # The comparison the warm case needs: unwarmed, that same fold loads its decoders.
         assert seen["warmed"] == []
         assert len(seen["loaded_by_fold"]) >= 3, seen["loaded_by_fold"]
+
+
+def test_the_shipped_delta_is_what_the_codec_writes_today(tmp_path: Path) -> None:
+    """The agent folds the shipped files; they must be the current codec's encoding of the
+    current cases, or the warm-up loads yesterday's kernels (or fails its checksums)."""
+    from store.codecs.warm import SHIPPED, encode_case, shipped_delta, write_shipped
+
+    shipped = shipped_delta()
+    assert shipped == encode_case(), (
+        f"store/codecs/{SHIPPED}/ is stale: run `python -m store.codecs.warm --write`"
+    )
+    (tmp_path / "stale.safetensors").write_bytes(b"old")
+    written = write_shipped(tmp_path)
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted(shipped)
+    assert {path.name: path.read_bytes() for path in written} == shipped
+
+
+def test_warm_decoders_fails_on_a_delta_that_no_longer_folds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A shipped delta that no longer folds fails the warm-up (the agent logs it and goes
+    on) rather than passing silently: a damaged file, or a base regenerated differently
+    from the one it was encoded against (whose fold misses the delta's checksums)."""
+    from store.codecs import warm
+    from store.errors import ChecksumMismatch, CorruptPayload
+
+    shipped = warm.shipped_delta()
+    shard = next(name for name in shipped if name.endswith(".safetensors"))
+    # The last byte of the data: inside a tensor's coded stream, not in the header.
+    damaged = dict(shipped, **{shard: shipped[shard][:-1] + bytes([shipped[shard][-1] ^ 1])})
+    monkeypatch.setattr(warm, "shipped_delta", lambda: damaged)
+    with pytest.raises(CorruptPayload):
+        warm.warm_decoders()
+    monkeypatch.undo()
+
+    base, target = warm.warm_case()
+    name = "BF16.0.005.2"
+    moved = base[name].data.copy()
+    moved[0] ^= 1
+    monkeypatch.setattr(
+        warm, "warm_case", lambda: ({**base, name: replace(base[name], data=moved)}, target)
+    )
+    with pytest.raises(ChecksumMismatch, match=name):
+        warm.warm_decoders()
+    monkeypatch.undo()
+    assert warm.warm_decoders() > 0
