@@ -36,6 +36,19 @@ _jit = numba.njit(cache=True, nogil=True)
 trailing_zeros: Any = _trailing_zeros
 leading_zeros: Any = _leading_zeros
 
+
+def read_only(array: np.ndarray) -> np.ndarray:
+    """`array` as a read-only view, for a kernel argument it only reads. A kernel is
+    compiled (or loaded from numba's cache) once per argument type, and an array's type
+    includes whether it is writable: a stream stored raw in a writable payload and one
+    decompressed into bytes, or a base loaded read-only and a block's own buffer, are two
+    types. Decoders hand every array a kernel reads as read-only, so each kernel has one
+    type per element width, the one `store.codecs.warm` loads at boot."""
+    view = array.view()
+    view.flags.writeable = False
+    return view
+
+
 OK = 0
 ERR_UNARY = 1  # the unary stream holds another number of codes than declared
 ERR_POSITION = 2  # a change lands past the end of the block

@@ -42,6 +42,7 @@ from store.codecs.sparse_kernels import (
     gather_changes,
     mode_bits,
     nonzero_runs,
+    read_only,
     rice_apply_steps,
     split_steps,
 )
@@ -284,10 +285,11 @@ class SparseV2Codec:
         streams = []
         for j, (kind, length, size) in enumerate(zip(kinds, lengths, sizes, strict=True)):
             if kind == STREAM_RAW:  # most streams: whole (the total checked above), as is
-                streams.append(np.frombuffer(block[offset : offset + length], dtype=np.uint8))
+                stream = np.frombuffer(block[offset : offset + length], dtype=np.uint8)
             else:
                 body = block[offset : offset + length]
-                streams.append(self._stream(kind, body, size, f"{what} stream {j}"))
+                stream = self._stream(kind, body, size, f"{what} stream {j}")
+            streams.append(read_only(stream))  # one type for the kernels, raw or not
             offset += length
         return streams
 
@@ -388,7 +390,7 @@ class SparseV2Codec:
         width = 8 * bits.dtype.itemsize
         error = rice_apply_steps(
             bits,
-            bits if source is None else source,
+            read_only(bits) if source is None else source,
             source is not None,
             low,
             unary,
@@ -478,7 +480,7 @@ class SparseV2Codec:
         if source is not None and source.size != out.size:
             raise ValueError(f"source of {name!r} is {source.size} bytes, out {out.size}")
         bits = out.view(ELEMENT_BITS[width])
-        old = None if source is None else source.view(ELEMENT_BITS[width])
+        old = None if source is None else read_only(source.view(ELEMENT_BITS[width]))
         jobs = []
         for index, length in enumerate(lengths):
             jobs.append((index, raw[offset : offset + length]))

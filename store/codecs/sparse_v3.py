@@ -42,8 +42,9 @@ from store.codecs.class_kernels import (
     rice_classes_decode,
 )
 from store.codecs.sparse import join_planes
-from store.codecs.sparse_kernels import change_mask, gather_changes
+from store.codecs.sparse_kernels import change_mask, gather_changes, read_only
 from store.codecs.sparse_v2 import (
+    _FILL_MIN_BYTES,
     _GAP,
     VALUES_STEP,
     SparseV2Codec,
@@ -70,10 +71,11 @@ _SURE = 0.8  # ... and skip encoding the gaps form when they are estimated this 
 _NO_INDEX = np.uint64(np.iinfo(np.uint64).max)  # STEP index sentinel: no change has it
 # What `apply_classes` reads where a block has no such stream (it never writes them): made
 # once, not per block, as small allocations are a block's fixed cost on small tensors.
-_NO_STEP_INDEX = np.full(1, _NO_INDEX, np.uint64)
-_NO_MAGNITUDE = np.zeros(1, np.uint64)
-_NO_SIGNS = np.empty(0, np.uint8)
-_NO_VALUES = {width: np.empty(0, bits) for width, bits in ELEMENT_BITS.items()}
+# Read-only, as every array the decoders hand a kernel to read (`read_only`).
+_NO_STEP_INDEX = read_only(np.full(1, _NO_INDEX, np.uint64))
+_NO_MAGNITUDE = read_only(np.zeros(1, np.uint64))
+_NO_SIGNS = read_only(np.empty(0, np.uint8))
+_NO_VALUES = {width: read_only(np.empty(0, bits)) for width, bits in ELEMENT_BITS.items()}
 
 
 def _keymask(width: int) -> int:
@@ -250,8 +252,13 @@ class SparseV3Codec(SparseV2Codec):
             raise CorruptPayload(f"{what} is {len(block)} bytes: no form byte and count")
         if block[0] == FORM_GAPS:
             return super()._apply_block(bits, block[1:], what, source)
-        if source is not None:  # the class form reads the base's classes from `bits`
+        if source is not None and source.nbytes < _FILL_MIN_BYTES:
             np.copyto(bits, source)
+            source = None
+        # Where the base's classes are read: `bits` once it holds the base, else `source`
+        # (a large block: `apply_classes` copies it chunk by chunk as it goes).
+        fill = source is not None
+        keys = source if source is not None else read_only(bits)
         count = block[0]
         if count > MAX_CLASSES:
             raise CorruptPayload(f"{what} has position form {count}, expected 0-{MAX_CLASSES}")
@@ -311,11 +318,13 @@ class SparseV3Codec(SparseV2Codec):
         keymask_of = np.array([keymask], bits.dtype)
         lo_of = np.array([lo for lo, _, _ in live], bits.dtype)
         width_of = np.array([width for _, width, _ in live], bits.dtype)
-        self._settle_counts(bits, keymask_of, lo_of, width_of, counts, gap_at, changed, what)
+        self._settle_counts(keys, keymask_of, lo_of, width_of, counts, gap_at, changed, what)
         value_at = np.array([0, *accumulate(counts)], np.int64)  # a list: no numpy round trip
         found = np.empty(changed, np.int64)
         error = self._apply_class_values(
             bits,
+            keys,
+            fill,
             keymask_of,
             lo_of,
             width_of,
@@ -337,7 +346,7 @@ class SparseV3Codec(SparseV2Codec):
 
     def _settle_counts(
         self,
-        bits: np.ndarray,
+        keys: np.ndarray,
         keymask: np.ndarray,
         lo: np.ndarray,
         width: np.ndarray,
@@ -348,12 +357,13 @@ class SparseV3Codec(SparseV2Codec):
     ) -> None:
         """Fill in a complement class's change count (its members less its events): the
         block's count less the others' where it is the only one, else by counting the
-        members of all but the last of them in one more read of the block."""
+        members of all but the last of them in one more read of the block (`keys`: its
+        base's elements)."""
         open_ = [c for c, count in enumerate(counts) if count < 0]
         if len(open_) > 1:
             counted = open_[:-1]
             members = np.empty(len(counted), np.int64)
-            class_members(bits, keymask, lo[counted], width[counted], members)
+            class_members(keys, keymask, lo[counted], width[counted], members)
             for c, count in zip(counted, members.tolist(), strict=True):
                 counts[c] = count - (gap_at[c + 1] - gap_at[c])
         if open_:
@@ -366,6 +376,8 @@ class SparseV3Codec(SparseV2Codec):
     def _apply_class_values(
         self,
         bits: np.ndarray,
+        source: np.ndarray,
+        fill: bool,
         keymask: np.ndarray,
         lo: np.ndarray,
         widths: np.ndarray,
@@ -379,7 +391,9 @@ class SparseV3Codec(SparseV2Codec):
         what: str,
     ) -> int:
         """Place every class's changes and patch their values (stored class by class, each
-        class's in element order) in one pass (`apply_classes`); its error code."""
+        class's in element order) in one pass (`apply_classes`) that reads the base's
+        classes from `source`, and with `fill` copies it into `bits` as it goes; its error
+        code."""
         width = bits.dtype.itemsize
         values = _NO_VALUES[width]
         down = _NO_SIGNS
@@ -389,7 +403,7 @@ class SparseV3Codec(SparseV2Codec):
         index = _NO_STEP_INDEX
         magnitude = _NO_MAGNITUDE
         if header.mode != VALUES_STEP:
-            values = join_planes(streams, width)
+            values = read_only(join_planes(streams, width))
         else:
             down = streams[0]
             if header.nonzero:
@@ -405,10 +419,13 @@ class SparseV3Codec(SparseV2Codec):
                 np.cumsum(at + np.uint64(1), out=index[:-1])
                 index[:-1] -= np.uint64(1)
                 index[-1] = no_index
-                magnitude = np.concatenate((decoded, magnitude))
+                index = read_only(index)
+                magnitude = read_only(np.concatenate((decoded, magnitude)))
         return int(
             apply_classes(
                 bits,
+                source,
+                fill,
                 keymask,
                 lo,
                 widths,

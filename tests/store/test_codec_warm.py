@@ -2,7 +2,10 @@
 
 Each probe runs in a fresh interpreter (the kernels a process has loaded are per process, and
 this one's earlier tests load them), which lists the codec kernels' loaded signatures before
-warming, after it, and after encoding and folding a delta shaped like real updates.
+warming, after it, and after encoding and folding a delta shaped like real updates: small
+tensors and a large model's (whose blocks the fold fills from the base as it applies them),
+folded onto a writable base and onto a read-only one, as an agent loads it. A kernel is
+loaded once per argument type, and whether an array is writable is part of its type.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ PROBE = """
 import json, sys
 import numba
 import numpy as np
-from store.codecs import class_kernels, decode_version, encode_version, sparse_kernels
+from store.codecs import class_kernels, decode_version, encode_version, sparse_kernels, sparse_v2
 from store.tensors import RawTensor
 
 def loaded():
@@ -59,10 +62,28 @@ bits = rng.integers(0x3000, 0x3E00, 1 << 17).astype("<u2")
 base["BF16.step"] = RawTensor("BF16", (bits.size,), bits.view(np.uint8))
 moved = np.where(bits < 0x3300, bits + 1, bits).astype("<u2")
 target["BF16.step"] = RawTensor("BF16", (bits.size,), moved.view(np.uint8))
+# Tensors of a large model's size: blocks past `_FILL_MIN_BYTES`, which the fold fills from
+# the base as it applies them (by steps, or by class), from a base loaded read-only.
+size = 5 << 20
+assert 2 * min(size, 1 << sparse_v2.BLOCK_LOG2) >= sparse_v2._FILL_MIN_BYTES
+bits = rng.integers(0x3000, 0x3E00, size).astype("<u2")
+base["BF16.large"] = RawTensor("BF16", (size,), bits.view(np.uint8))
+moved = bits + (rng.random(size) < 0.01) * rng.integers(1, 4, size)
+target["BF16.large"] = RawTensor("BF16", (size,), moved.astype("<u2").view(np.uint8))
+# A trained weight's values (Gaussian) after an Adam-like step of lr 3e-5 (~2 % change).
+values = (rng.standard_normal(size) * 0.02).astype("<f4")
+steps = values + 3e-5 * np.sign(rng.standard_normal(size)).astype("<f4")
+old_bits, new_bits = ((v.view("<u4") + 0x8000) >> 16 for v in (values, steps))
+base["BF16.large_step"] = RawTensor("BF16", (size,), old_bits.astype("<u2").view(np.uint8))
+target["BF16.large_step"] = RawTensor("BF16", (size,), new_bits.astype("<u2").view(np.uint8))
 files = encode_version(target, base, version=1, base_version=0, codec="sparse")
 encoded = loaded()
-folded = decode_version(files, base)
-assert all((folded[k].data == target[k].data).all() for k in target)
+# Folded onto the base as encoded (writable), then as an agent loads one (read-only).
+for writable in (True, False):
+    for tensor in base.values():
+        tensor.data.flags.writeable = writable
+    folded = decode_version(files, base)
+    assert all((folded[k].data == target[k].data).all() for k in target)
 print(json.dumps({
     "before": sorted(before),
     "warmed": sorted(warmed - before),
