@@ -22,7 +22,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httptools
 
@@ -155,13 +155,16 @@ class BlockingClient:
         connect_timeout_s: float = 2.0,
         read_timeout_s: float = 30.0,
         keepalive_s: float = 30.0,
-        ssl_context: ssl.SSLContext | None = None,
+        ssl_context: ssl.SSLContext | Callable[[], ssl.SSLContext] | None = None,
         max_idle_per_origin: int = _MAX_IDLE_PER_ORIGIN,
     ) -> None:
+        """`ssl_context`: for https URLs, or a function that builds it, called at the first
+        TLS connection (loading a CA bundle costs 0.1-0.3 s of CPU that a client of plain
+        HTTP never needs to pay). Without it, an https URL is an `UpstreamError`."""
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
         self.keepalive_s = keepalive_s
-        self.ssl_context = ssl_context
+        self._tls = ssl_context
         self.max_idle_per_origin = max_idle_per_origin
         self._lock = threading.Lock()
         self._idle: dict[tuple[str, str, int], list[_Connection]] = {}
@@ -244,11 +247,24 @@ class BlockingClient:
 
     # Connections --------------------------------------------------------------------------
 
+    def ssl_context(self) -> ssl.SSLContext:
+        """The TLS context of https connections, built now if the client was given a
+        function for it; `UpstreamError` if it has none."""
+        tls = self._tls
+        if tls is None:
+            raise UpstreamError("https needs the client's ssl_context")
+        if not isinstance(tls, ssl.SSLContext):
+            with self._lock:
+                if not isinstance(self._tls, ssl.SSLContext):
+                    self._tls = tls()
+                tls = self._tls
+        return tls
+
     def _origin(self, url: str, base: str) -> Origin:
         origin = self._origins.get(base)
         if origin is None:
             origin = Origin.parse(url)
-            if origin.scheme == "https" and self.ssl_context is None:
+            if origin.scheme == "https" and self._tls is None:
                 raise UpstreamError(f"{url}: https needs the client's ssl_context")
             if len(self._origins) < MAX_REMEMBERED_ORIGINS:
                 self._origins[base] = origin
@@ -265,8 +281,7 @@ class BlockingClient:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if origin.scheme == "https":
-                assert self.ssl_context is not None
-                sock = self.ssl_context.wrap_socket(sock, server_hostname=origin.host)
+                sock = self.ssl_context().wrap_socket(sock, server_hostname=origin.host)
         except TimeoutError as exc:
             sock.close()
             raise UpstreamTimeout(f"TLS handshake with {where} timed out") from exc

@@ -73,7 +73,7 @@ class FetchClient:
     def __init__(self, connect_s: float = 2.0) -> None:
         self.connect_s = connect_s
         self._lock = threading.Lock()
-        self._direct: dict[bool, BlockingClient] = {}
+        self._direct: BlockingClient | None = None
         self._proxied: httpx.Client | None = None
         # Whether each origin goes through a proxy, decided from the environment once (as
         # httpx does when a client opens): reading it costs more than the rest of a GET.
@@ -92,33 +92,32 @@ class FetchClient:
             with self._get_proxied(url, headers, read_s) as reply:
                 yield reply
             return
-        with self._client(url.startswith("https:")).stream(
-            url, headers, read_timeout_s=read_s
-        ) as answer:
+        with self._client().stream(url, headers, read_timeout_s=read_s) as answer:
             yield answer
 
     def close(self) -> None:
         """Close every connection, those of reads under way too (they fail at once)."""
         with self._lock:
             self.is_closed = True
-            clients, self._direct = list(self._direct.values()), {}
+            direct, self._direct = self._direct, None
             proxy_client, self._proxied = self._proxied, None
-        for client in clients:
-            client.close()
+        if direct is not None:
+            direct.close()
         if proxy_client is not None:
             proxy_client.close()
 
-    def _client(self, tls: bool) -> BlockingClient:
-        client = self._direct.get(tls)
+    def _client(self) -> BlockingClient:
+        client = self._direct
         if client is None:
             with self._lock:
                 if self.is_closed:
                     raise UpstreamError("the fetch client is closed")
-                client = self._direct.get(tls)
+                client = self._direct
                 if client is None:
-                    client = self._direct[tls] = BlockingClient(
-                        connect_timeout_s=self.connect_s,
-                        ssl_context=shared_tls() if tls else None,
+                    # One client for plain and TLS origins; the process's TLS context is
+                    # built at its first https connection, never for plain HTTP.
+                    client = self._direct = BlockingClient(
+                        connect_timeout_s=self.connect_s, ssl_context=shared_tls
                     )
         return client
 

@@ -1,11 +1,13 @@
 """Tether's HTTP/1.1 client for threads (`http1.blocking`) against scripted TCP servers on
 127.0.0.1: keep-alive, chunked and until-close bodies, a server closing an idle connection,
-silence, a body broken off, garbage, and the client closed under a running read."""
+silence, a body broken off, garbage, the client closed under a running read, and a TLS
+context built only when an https origin is first reached."""
 
 from __future__ import annotations
 
 import contextlib
 import socket
+import ssl
 import threading
 from collections.abc import Callable, Iterator
 
@@ -239,3 +241,27 @@ def test_a_refused_connection_and_an_https_url_without_tls_are_clear_errors() ->
         pass
     with pytest.raises(UpstreamError, match="ssl_context"), client.stream("https://127.0.0.1:1/x"):
         pass
+
+
+def test_a_tls_context_given_as_a_function_is_built_at_the_first_https_connection() -> None:
+    built: list[ssl.SSLContext] = []
+
+    def context() -> ssl.SSLContext:
+        built.append(ssl.create_default_context())
+        return built[-1]
+
+    def hang_up(conn: socket.socket, heads: list[bytes]) -> None:
+        conn.close()  # no TLS here: the client's handshake meets a closed connection
+
+    client = BlockingClient(ssl_context=context)
+    with serve(keep_alive(b"plain")) as (url, _, _):
+        assert read_all(client, f"{url}/a") == (200, b"plain")
+    assert built == [], "a plain-HTTP request must not load certificates"
+    with serve(hang_up) as (url, _, accepted):
+        tls_url = url.replace("http://", "https://") + "/a"
+        for _ in range(2):
+            with pytest.raises(UpstreamError, match="TLS handshake"), client.stream(tls_url):
+                pass
+        assert len(accepted) == 2
+    assert len(built) == 1 and client.ssl_context() is built[0]
+    client.close()

@@ -352,7 +352,9 @@ def test_opening_an_http_source_loads_no_certificates_and_leaves_a_shared_client
     with pytest.raises(SourceFailed):
         borrowing.fetch("key", 1)  # nobody listens on port 9: refused, no TLS involved
     assert shared_tls.cache_info().currsize == 0
-    assert shared._client(tls=True).ssl_context is shared_tls()
+    # The one client for plain and TLS origins builds the process's context when asked.
+    assert shared._client().ssl_context() is shared_tls()
+    assert shared_tls.cache_info().currsize == 1
     borrowing.close()
     own.close()
     assert not shared.is_closed
