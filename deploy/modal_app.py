@@ -36,7 +36,9 @@ import os
 import shlex
 import threading
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -392,7 +394,41 @@ def _image(spec: ImagePlan, fleet_file: Path | None) -> modal.Image:
     if fleet_file is not None:
         image = image.add_local_file(str(fleet_file), CONTAINER_FLEET_PATH)
     image = image.add_local_file(str(PYPROJECT), CONTAINER_PYPROJECT_PATH)
-    return image.add_local_python_source(*spec.local_packages)
+    data = package_data(PYPROJECT)
+    for package in spec.local_packages:
+        image = image.add_local_python_source(package, ignore=not_package_file(package, data))
+    return image
+
+
+def package_data(pyproject: Path) -> dict[str, list[str]]:
+    """pyproject's `[tool.setuptools.package-data]`: the files besides `.py` that a package
+    needs (the dashboard's static files, the codecs' warm-up delta), by package ("*": any)."""
+    table = tomllib.loads(pyproject.read_text())
+    data: dict[str, list[str]] = table.get("tool", {}).get("setuptools", {}).get("package-data", {})
+    return data
+
+
+def not_package_file(package: str, data: dict[str, list[str]]) -> Callable[[Path], bool]:
+    """Modal's `ignore` for the folder of `package` (paths relative to it): keep `.py` files
+    and the package data a wheel of the project would hold; drop the rest, bytecode and
+    numba's caches (`__pycache__`, keyed by the building machine's CPU) and dot-files.
+    Modal's own default keeps only `.py` files, which left the images without them."""
+
+    def ignore(path: Path) -> bool:
+        parts = path.parts
+        if any(part == "__pycache__" or part.startswith(".") for part in parts):
+            return True
+        if path.suffix == ".py":
+            return False
+        for depth in range(len(parts)):  # each package the file lies under, innermost last
+            owner = ".".join((package, *parts[:depth]))
+            inside = "/".join(parts[depth:])
+            for key, patterns in data.items():
+                if key in ("*", owner) and any(fnmatch(inside, pattern) for pattern in patterns):
+                    return False
+        return True
+
+    return ignore
 
 
 def _volume_map(volumes: dict[str, str]) -> dict[str, Any]:

@@ -391,9 +391,9 @@ class SparseV3Codec(SparseV2Codec):
         what: str,
     ) -> int:
         """Place every class's changes and patch their values (stored class by class, each
-        class's in element order) in one pass (`apply_classes`) that reads the base's
-        classes from `source`, and with `fill` copies it into `bits` as it goes; its error
-        code."""
+        class's in element order) in one pass (`apply_classes`); with `fill` (a large
+        block) that pass first copies each chunk of `source`, the base, into `bits`, which
+        otherwise holds the base already. Its error code."""
         width = bits.dtype.itemsize
         values = _NO_VALUES[width]
         down = _NO_SIGNS

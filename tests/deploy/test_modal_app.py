@@ -11,7 +11,7 @@ import importlib.util
 import subprocess
 import sys
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -220,10 +220,15 @@ class _Recorder:
                 assert Path(local_path).is_file(), local_path
                 return self._then("add_local_file", (local_path, remote_path))
 
-            def add_local_python_source(self, *modules: str) -> Image:
+            def add_local_python_source(
+                self,
+                *modules: str,
+                copy: bool = False,
+                ignore: Sequence[str] | Callable[[Path], bool] = ("<only .py files>",),
+            ) -> Image:
                 for module in modules:
                     assert importlib.util.find_spec(module) is not None, module
-                return self._then("add_local_python_source", modules)
+                return self._then("add_local_python_source", (modules, ignore))
 
         class App:
             def __init__(self, name: str | None = None, *, include_source: bool = True) -> None:
@@ -340,7 +345,9 @@ def test_images_add_our_sources_pyproject_and_fleet_file_after_every_build_step(
     images += [recorder.classes[p.class_name]["image"] for p in plan.pools]
     for image in images:
         names = [name for name, _ in image.steps]
-        assert names[-3:] == ["add_local_file", "add_local_file", "add_local_python_source"]
+        sources = names.index("add_local_python_source")
+        assert names[sources - 2 : sources] == ["add_local_file", "add_local_file"]
+        assert set(names[sources:]) == {"add_local_python_source"}
         remote = {args[1] for name, args in image.steps if name == "add_local_file"}
         # In a container the module rebuilds the plan from both files, at these paths.
         assert remote == {CONTAINER_FLEET_PATH, CONTAINER_PYPROJECT_PATH}
@@ -452,3 +459,42 @@ def test_each_secret_must_hold_the_keys_its_processes_read(
         fleet.engine.secret: {"TETHER_TOKEN"},
         fleet.store.secret: {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"},
     }
+
+
+def test_images_carry_each_package_with_its_package_data(recorded: tuple[_Recorder, Any]) -> None:
+    """Modal's `add_local_python_source` adds only `.py` files unless told otherwise; the
+    images need the package data a wheel holds too (the dashboard, the warm-up delta)."""
+    from deploy.modal_app import TETHER_PACKAGES
+
+    recorder, _ = recorded
+    images = [recorder.functions["controlplane"]["image"]]
+    images += [declared["image"] for declared in recorder.classes.values()]
+    for image in images:
+        ignores = {
+            args[0][0]: args[1] for name, args in image.steps if name == "add_local_python_source"
+        }
+        assert sorted(ignores) == sorted(TETHER_PACKAGES)
+
+        def kept(package: str, path: str, ignores: dict[str, Any] = ignores) -> bool:
+            return not ignores[package](Path(path))
+
+        for package, path in [
+            ("store", "codecs/warm.py"),
+            ("store", "codecs/warm_delta/model-00000-of-00001.safetensors"),
+            ("store", "codecs/warm_delta/model.safetensors.index.json"),
+            ("controlplane", "static/dashboard.html"),
+            ("controlplane", "static/dashboard.js"),
+            ("controlplane", "migrations/script.py.mako"),
+            ("deploy", "fleet.example.toml"),
+            ("deploy", "k8s/config.yaml"),
+        ]:
+            assert kept(package, path), (package, path)
+            assert (Path(__file__).resolve().parents[2] / package / path).is_file(), path
+        for package, path in [
+            ("store", "codecs/__pycache__/warm.cpython-311.pyc"),
+            ("store", "codecs/__pycache__/sparse_kernels._rice_unpack_py-300.py311.nbi"),
+            ("controlplane", ".secrets.json"),
+            ("engine_agent", "notes.txt"),
+            ("store", "codecs/warm_delta.bak/model.bin"),
+        ]:
+            assert not kept(package, path), (package, path)
