@@ -24,9 +24,10 @@ client generating through the agent, publishes a delta v1 and measures:
 - `agent_gc_pauses`, `agent_gc_s`, `agent_gc_pauses_over_20ms`: the agent's cycle
   collections from the moment it serves until its commit (`--no-agent-gc-settle`: with
   CPython's collector as it was, every full collection rescanning the agent's imports);
-  `--no-agent-warm-codecs` leaves the codecs' imports and kernels to the agent's first fold
-  (v1's), as before they were warmed at boot; `agent_codecs_warm_s`: what warming took
-  at boot (0 when off);
+  `--no-agent-warm-codecs` leaves the codecs' and converters' imports and kernels to the
+  agent's first catch-up (v1's), as before they were warmed at boot; `agent_codecs_warm_s`
+  and `agent_conversion_warm_s`: what warming took at boot (0 when off; conversion: 0 for
+  bf16);
 - `agent_health_{p50,p99,max}_ms_staging`: a `GET /health` every 20 ms while the agent
   stages v1, answered on its event loop: how long staging (threads sharing the GIL) and
   collections keep that loop, and so its heartbeats and proxied requests, waiting;
@@ -436,6 +437,9 @@ def run(
         # Codecs warmed at boot (`store/codecs/warm.py`), or loaded by the first fold.
         "agent_warm_codecs": agent_warm_codecs,
         "agent_codecs_warm_s": significant(booted[("tether_agent_codecs_warm_seconds", None)], 3),
+        "agent_conversion_warm_s": significant(
+            booted[("tether_agent_conversion_warm_seconds", None)], 3
+        ),
         "agent_gc_pauses": int(gc_pauses[0]),
         "agent_gc_s": significant(gc_pauses[1], 3),
         "agent_gc_pauses_over_20ms": int(gc_pauses[0] - gc_pauses[2]),

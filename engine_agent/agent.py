@@ -24,7 +24,7 @@ import random
 import signal
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from email.utils import formatdate
 from typing import Any
 
@@ -512,19 +512,29 @@ class Agent:
                 collector.unsettle()
 
     async def _warm_codecs(self) -> None:
-        """Load the decoders' imports and kernels now rather than in the first catch-up; a
-        failure is logged, and that catch-up pays (and reports) it instead."""
+        """Load the decoders' and this precision's converters' imports and kernels now
+        rather than in the first catch-up; a failure is logged, and that catch-up pays
+        (and reports) it instead."""
         if not self.settings.warm_codecs:
             return
+        from engine_agent.precision.warm import warm_conversion
         from store.codecs.warm import warm_decoders
 
+        precision = self.settings.precision.value
+        self.status.codecs_warmed_s = await self._warm("the codecs", warm_decoders)
+        self.status.conversion_warmed_s = await self._warm(
+            f"conversion to {precision}", lambda: warm_conversion(precision)
+        )
+
+    async def _warm(self, what: str, warm: Callable[[], float]) -> float | None:
+        """`warm()`'s seconds, run in a thread; None (and a warning) if it failed."""
         try:
-            seconds = await asyncio.to_thread(warm_decoders)
+            seconds = await asyncio.to_thread(warm)
         except Exception as exc:  # warming is an optimisation, never fatal
-            log.warning("warming the codecs failed: %s: %s", type(exc).__name__, exc)
-            return
-        self.status.codecs_warmed_s = seconds
-        log.info("codecs warmed in %.2fs", seconds)
+            log.warning("warming %s failed: %s: %s", what, type(exc).__name__, exc)
+            return None
+        log.info("warmed %s in %.2fs", what, seconds)
+        return seconds
 
     async def _serve(self, stop: asyncio.Task[Any]) -> int:
         """Serve until stopped or a task fails; the exit code."""

@@ -4,8 +4,8 @@ Owns the metric names of the agent's `/metrics`: the applied version, whether th
 healthy, failed reconcile passes by error type (a full staging disk counts under
 `StageFailed`), peer-assisted fetch (bytes by source, dropped sources, uploads), how long
 each cycle collection held the process (`GC_PAUSES`, one per process, as the collector is),
-and how long warming the codecs took at boot. Must never do I/O or change the status it
-reads.
+and how long warming the codecs and the converters took at boot. Must never do I/O or
+change the status it reads.
 """
 
 from __future__ import annotations
@@ -56,20 +56,29 @@ class _StatusCollector:
         yield failures
         yield from _peer_metrics(status)
         yield from GC_PAUSES.collect()
-        frozen = GaugeMetricFamily(
-            "tether_agent_gc_frozen_objects",
-            "Objects the cycle collector never scans: what existed once the agent booted "
-            "(0: gc_settle off)",
-        )
-        frozen.add_metric([], gc.get_freeze_count())
-        yield frozen
-        warmed = GaugeMetricFamily(
-            "tether_agent_codecs_warm_seconds",
-            "Seconds loading the codecs' imports and kernels took at boot, before serving "
-            "(0: not warmed; the first catch-up paid it)",
-        )
-        warmed.add_metric([], status.codecs_warmed_s or 0.0)
-        yield warmed
+        for name, help_text, value in (
+            (
+                "tether_agent_gc_frozen_objects",
+                "Objects the cycle collector never scans: what existed once the agent booted "
+                "(0: gc_settle off)",
+                gc.get_freeze_count(),
+            ),
+            (
+                "tether_agent_codecs_warm_seconds",
+                "Seconds loading the codecs' imports and kernels took at boot, before "
+                "serving (0: not warmed; the first catch-up paid it)",
+                status.codecs_warmed_s or 0.0,
+            ),
+            (
+                "tether_agent_conversion_warm_seconds",
+                "Seconds loading the engine precision's conversion kernels took at boot (0: "
+                "bf16, or not warmed; the first conversion paid it)",
+                status.conversion_warmed_s or 0.0,
+            ),
+        ):
+            gauge = GaugeMetricFamily(name, help_text)
+            gauge.add_metric([], value)
+            yield gauge
 
 
 def _peer_metrics(status: AgentStatus) -> Iterator[Metric]:

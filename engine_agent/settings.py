@@ -74,8 +74,10 @@ class AgentSettings(BaseSettings):
     # ~0.3 M objects of torch's and transformers' imports while requests wait).
     gc_settle: bool = True
     # Once the agent starts, and while the engine loads: fold a small shipped delta of each
-    # canonical dtype (`store/codecs/warm.py`), so the decoders' imports and compiled
-    # kernels are loaded before the first catch-up rather than during it, while serving.
+    # canonical dtype (`store/codecs/warm.py`) and convert a small layer to the engine's
+    # precision (`engine_agent/precision/warm.py`), so the decoders' and converters'
+    # imports and compiled kernels are loaded before the first catch-up rather than during
+    # it, while serving.
     warm_codecs: bool = True
     # Peer-assisted fetch (docs/peers.md): with a control plane, fetch version files from
     # the peers its fetch plan names (verified against the store's digests) before the

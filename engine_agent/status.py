@@ -71,6 +71,8 @@ class AgentStatus:
     served_files: int = 0
     # Seconds `store.codecs.warm` took at boot; None: not warmed (off, or it failed).
     codecs_warmed_s: float | None = None
+    # Seconds `engine_agent.precision.warm` took at boot (0 for bf16); None: not warmed.
+    conversion_warmed_s: float | None = None
 
     @property
     def sync_state(self) -> SyncState:

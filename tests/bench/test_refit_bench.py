@@ -25,6 +25,7 @@ def test_refit_bench_prints_its_figures_as_the_last_json_line(tmp_path: Path) ->
     # Its codecs warmed at boot, before it served.
     assert figures["agent_warm_codecs"] is True
     assert figures["agent_codecs_warm_s"] > 0
+    assert figures["agent_conversion_warm_s"] == 0  # a bf16 engine converts nothing
     # Its event loop probed while it staged (a tiny model may stage between two probes).
     probes, p50, p99, most = (
         figures[f"agent_health_{key}_staging"] for key in ("probes", "p50_ms", "p99_ms", "max_ms")
@@ -50,3 +51,5 @@ def test_refit_bench_at_fp8_shows_conversion_with_and_without_incremental(
     assert figures["convert_positions_from_fold"] > 0  # the stager did not diff the versions
     assert figures["staged_identical"] is True
     assert figures["convert_incremental_s"] > 0 and figures["convert_full_s"] > 0
+    # An FP8 engine's agent loaded its conversion kernels at boot.
+    assert figures["agent_conversion_warm_s"] > 0

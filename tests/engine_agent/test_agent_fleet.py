@@ -26,7 +26,7 @@ from tests.engine_agent.conftest import (
     wait_agent,
     wait_applied,
 )
-from tests.fixtures.processes import ManagedProcess, stop_all, wait_until
+from tests.fixtures.processes import ManagedProcess, metric, stop_all, wait_until
 from tests.fixtures.reference_engine import (
     ReferenceEngineProcess,
     TinyCheckpoints,
@@ -165,6 +165,17 @@ def test_catch_up_across_full_and_delta_versions_matches_the_published_bytes(
             assert stamped == (target, target), precision
     finally:
         stop_all(fresh.values())
+
+
+def test_each_agent_warmed_its_decoders_and_its_precision_s_conversion_at_boot(
+    fleet: Fleet,
+) -> None:
+    # What each warm-up leaves to the first catch-up: tests/store/test_codec_warm.py and
+    # tests/engine_agent/test_precision_warm.py.
+    for precision, agent in fleet.agents.items():
+        assert metric(agent.url or "", "tether_agent_codecs_warm_seconds") > 0, precision
+        converted = metric(agent.url or "", "tether_agent_conversion_warm_seconds")
+        assert (converted > 0) == (precision != "bf16"), (precision, converted)
 
 
 def test_agent_registers_again_when_the_control_plane_forgets_it(fleet: Fleet) -> None:

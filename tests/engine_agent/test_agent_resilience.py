@@ -28,7 +28,7 @@ from tests.engine_agent.conftest import (
     wait_agent,
     wait_applied,
 )
-from tests.fixtures.processes import ManagedProcess, free_port, stop_all, wait_until
+from tests.fixtures.processes import ManagedProcess, free_port, metric, stop_all, wait_until
 from tests.fixtures.reference_engine import (
     ReferenceEngineProcess,
     TinyCheckpoints,
@@ -84,13 +84,6 @@ def alive_info(agent: ManagedProcess) -> dict:
     return server_info(agent)
 
 
-def metric(url: str, name: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name)]
-    assert len(values) == 1, f"{name}: {values}"
-    return values[0]
-
-
 def test_a_booted_agent_warms_its_codecs_freezes_what_it_booted_with_and_exports_both(
     setup: Setup, tiny: TinyCheckpoints
 ) -> None:
@@ -104,6 +97,8 @@ def test_a_booted_agent_warms_its_codecs_freezes_what_it_booted_with_and_exports
     # off, the first catch-up pays it.
     assert metric(settled.url or "", "tether_agent_codecs_warm_seconds") > 0
     assert metric(default.url or "", "tether_agent_codecs_warm_seconds") == 0
+    # A BF16 engine's agent converts nothing (the FP8 and NVFP4 ones: test_agent_fleet).
+    assert metric(settled.url or "", "tether_agent_conversion_warm_seconds") == 0
     # Settled: one full collection before the freeze (observed), then torch's and
     # transformers' imports are out of every later collection's scan.
     assert metric(settled.url or "", "tether_agent_gc_pause_seconds_count") >= 1

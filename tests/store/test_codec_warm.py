@@ -22,19 +22,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 PROBE = """
 import json, sys
-import numba
 import numpy as np
 from store.codecs import class_kernels, decode_version, encode_version, sparse_kernels, sparse_v2
 from store.tensors import RawTensor
+from tests.fixtures.kernels import loaded_kernels
 
 def loaded():
-    return {
-        f"{module.__name__}.{name}{signature}"
-        for module in (class_kernels, sparse_kernels)
-        for name, kernel in vars(module).items()
-        if isinstance(kernel, numba.core.dispatcher.Dispatcher)
-        for signature in kernel.signatures
-    }
+    return loaded_kernels(class_kernels, sparse_kernels)
 
 before = loaded()
 if sys.argv[1] != "cold":
