@@ -62,12 +62,14 @@ def input_scales(tensors: dict[str, RawTensor], precision: str) -> dict[str, flo
 
 def warm_conversion(precision: str) -> float:
     """Convert `warm_layer()` to `precision` in full, then a next version of it with one
-    element changed in one weight and a fifth of another changed (the incremental
-    conversion's sparse and dense paths); the seconds it took (0 for bf16)."""
-    from engine_agent.precision.incremental import VersionConverter
+    element changed in one weight and a quarter of another changed (the incremental
+    conversion's sparse path, and its dense one past `DENSE_FRACTION`); the seconds it took
+    (0 for bf16)."""
+    from engine_agent.precision.incremental import DENSE_FRACTION, VersionConverter
     from engine_agent.precision.plan import check_precision
 
-    if check_precision(precision) == "bf16":
+    precision = check_precision(precision)
+    if precision == "bf16":
         return 0.0
     started = time.perf_counter()
     first = warm_layer()
@@ -75,7 +77,7 @@ def warm_conversion(precision: str) -> float:
     converter = VersionConverter(precision)
     converter.convert(first, {}, scales)
     second = dict(first)
-    for module, share in (("self_attn.q_proj", 0.0), ("mlp.down_proj", 0.25)):
+    for module, share in (("self_attn.q_proj", 0.0), ("mlp.down_proj", DENSE_FRACTION + 0.05)):
         name = f"model.layers.0.{module}.weight"
         bits = first[name].bits().copy()
         moved = np.random.default_rng(1).random(bits.size) < share

@@ -93,6 +93,7 @@ def test_bf16_needs_no_conversion_warm_up_and_the_command_names_what_it_warmed(
     from engine_agent.precision.warm import main, warm_conversion
 
     assert warm_conversion("bf16") == 0.0
+    assert warm_conversion("NVFP4") > 0  # a name in any case, its input scales included
     with pytest.raises(ValueError, match="precision must be one of"):
         warm_conversion("int4")
     assert main(["bf16", "fp8"]) == 0
