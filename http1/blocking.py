@@ -203,6 +203,8 @@ class BlockingClient:
             answer.close()
 
     def _send(self, origin: Origin, head: bytes, read_s: float) -> StreamedAnswer:
+        if self._closed:  # refused before any connection is opened, not only after one
+            raise UpstreamError("the client is closed")
         for attempt in (0, 1):
             conn = self._take_idle(origin) if attempt == 0 else None
             reused = conn is not None
